@@ -1,0 +1,17 @@
+"""m3jax: MiniMax M3 in JAX / Flax NNX / Pallas.
+
+Public API (stable): ``m3jax.load(path) -> model``; ``model(input_ids int32[B, S]) -> fp32 logits [B, S, V]``.
+"""
+
+from m3jax.config import ConfigError, M3Config, TextConfig, VisionConfig, m3_full, tiny
+from m3jax.model import ForwardOutput, M3ForCausalLM
+
+__all__ = ["ConfigError", "ForwardOutput", "M3Config", "M3ForCausalLM", "TextConfig", "VisionConfig", "m3_full",
+           "tiny", "load"]
+
+
+def load(path, **kwargs):
+  """Loads an M3 checkpoint directory (original MiniMax or HF safetensors layout). See m3jax.checkpoint.load."""
+  from m3jax.checkpoint.loader import load as _load  # pylint: disable=g-import-not-at-top
+
+  return _load(path, **kwargs)

@@ -1,0 +1,88 @@
+"""M3 attention (M3_SPEC §2.3, §3): per-head Gemma QK-norm, partial NeoX RoPE, GQA; dense causal on
+"full" layers, lightning indexer + block-sparse attention on "sparse" layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3jax import logical_axes as ax
+from m3jax.cache import LayerCache
+from m3jax.config import TextConfig
+from m3jax.layers.norms import RMSNorm
+from m3jax.layers.params import make_param, project
+from m3jax.layers.rope import apply_partial_rope
+from m3jax.ops import attention as attention_ops
+from m3jax.ops import indexer as indexer_ops
+from m3jax.ops.dispatch import KernelChoice
+
+
+class Indexer(nnx.Module):
+  """Lightning-indexer projections: Hi query heads and one shared key head, Gemma-normed, RoPE'd.
+
+  No value branch and no per-head weights (M3_SPEC §3.1).
+  """
+
+  def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    h, hi, di = cfg.hidden_size, cfg.index_num_heads, cfg.index_head_dim
+    self.q_proj = make_param(rngs, (h, hi, di), dtype, (ax.EMBED, ax.IDX_HEADS, ax.IDX_DIM))
+    self.k_proj = make_param(rngs, (h, di), dtype, (ax.EMBED, ax.IDX_DIM))
+    self.q_norm = RMSNorm(di, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.k_norm = RMSNorm(di, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B,S,H] -> idx_q [B,S,Hi,Di], idx_k [B,S,Di] (post-norm, post-RoPE)."""
+    idx_q = apply_partial_rope(self.q_norm(project("bsh,hnd->bsnd", x, self.q_proj[...])), cos, sin)
+    idx_k = self.k_norm(project("bsh,hd->bsd", x, self.k_proj[...]))
+    idx_k = apply_partial_rope(idx_k[:, :, None, :], cos, sin)[:, :, 0, :]
+    return idx_q, idx_k
+
+
+class Attention(nnx.Module):
+  """Self-attention of one decoder layer; ``sparse`` adds the indexer and block-sparse attention."""
+
+  def __init__(self, cfg: TextConfig, *, sparse: bool, dtype: jnp.dtype, kernels: KernelChoice,
+               rngs: nnx.Rngs | None):
+    h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.head_dim = d
+    self.kernels = kernels
+    self.block_size = cfg.index_block_size
+    self.topk = cfg.index_topk_blocks
+    self.local_blocks = cfg.index_local_blocks
+    self.init_blocks = cfg.index_init_blocks
+    self.q_proj = make_param(rngs, (h, nq, d), dtype, (ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM))
+    self.k_proj = make_param(rngs, (h, nkv, d), dtype, (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+    self.v_proj = make_param(rngs, (h, nkv, d), dtype, (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
+    self.o_proj = make_param(rngs, (nq, d, h), dtype, (ax.Q_HEADS, ax.HEAD_DIM, ax.EMBED))
+    self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if sparse else None
+
+  def __call__(
+      self, x: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None
+  ) -> tuple[jax.Array, LayerCache | None]:
+    """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache).
+
+    Without a cache the keys are this call's tokens, so positions must be 0..S-1 in every row. With a
+    cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
+    """
+    q = apply_partial_rope(self.q_norm(project("bsh,hnd->bsnd", x, self.q_proj[...])), cos, sin)
+    k = apply_partial_rope(self.k_norm(project("bsh,hnd->bsnd", x, self.k_proj[...])), cos, sin)
+    v = project("bsh,hnd->bsnd", x, self.v_proj[...])
+    idx_q = idx_k = None
+    if self.indexer is not None:
+      idx_q, idx_k = self.indexer(x, cos, sin)
+    if cache is not None:
+      cache = cache.write(positions, k, v, idx_k)
+      k, v, idx_k = cache.k, cache.v, cache.idx_k
+    scale = self.head_dim ** -0.5
+    if self.indexer is None:
+      out = attention_ops.causal_attention(q, k, v, positions, scale=scale, kernels=self.kernels)
+    else:
+      block_ids = indexer_ops.indexer_topk(
+          idx_q, idx_k, positions, block_size=self.block_size, topk=self.topk,
+          local_blocks=self.local_blocks, init_blocks=self.init_blocks, kernels=self.kernels)
+      out = attention_ops.sparse_attention(q, k, v, block_ids, positions, block_size=self.block_size,
+                                           scale=scale, kernels=self.kernels)
+    return project("bsnd,ndh->bsh", out, self.o_proj[...]), cache

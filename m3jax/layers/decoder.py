@@ -1,0 +1,39 @@
+"""One pre-norm M3 decoder layer: h += Attn(norm(h)); h += FFN(norm(h)) (M3_SPEC §2.2)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3jax.cache import LayerCache
+from m3jax.config import TextConfig
+from m3jax.layers.attention import Attention
+from m3jax.layers.mlp import DenseMLP, MoE
+from m3jax.layers.norms import RMSNorm
+from m3jax.ops.dispatch import KernelChoice
+
+
+class DecoderLayer(nnx.Module):
+  """Layer ``index`` of the text backbone; its attention and MLP kinds come from the config's layouts."""
+
+  def __init__(self, cfg: TextConfig, index: int, *, dtype: jnp.dtype, kernels: KernelChoice,
+               rngs: nnx.Rngs | None):
+    self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.post_attention_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.attn = Attention(cfg, sparse=cfg.attention_types[index] == "sparse", dtype=dtype, kernels=kernels,
+                          rngs=rngs)
+    if cfg.mlp_types[index] == "moe":
+      self.mlp = MoE(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+    else:
+      self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha,
+                          limit=cfg.swiglu_limit, dtype=dtype, rngs=rngs)
+
+  def __call__(
+      self, h: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None
+  ) -> tuple[jax.Array, LayerCache | None]:
+    """h [B,S,H] -> ([B,S,H], updated cache)."""
+    attn_out, cache = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache)
+    h = h + attn_out
+    h = h + self.mlp(self.post_attention_norm(h))
+    return h, cache

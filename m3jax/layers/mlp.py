@@ -1,0 +1,57 @@
+"""Dense SwiGLU-OAI MLP (dense layers and the shared expert) and the MoE block (M3_SPEC §2.5-2.7)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3jax import logical_axes as ax
+from m3jax.config import TextConfig
+from m3jax.layers.params import make_param
+from m3jax.ops import moe as moe_ops
+from m3jax.ops.dispatch import KernelChoice
+from pallas_kernels.moe.reference import gated_mlp
+
+
+class DenseMLP(nnx.Module):
+  """x -> down(swiglu_oai(x @ gate_up)); gate_up [H, 2F] holds the gate columns first, then up."""
+
+  def __init__(self, hidden: int, width: int, *, alpha: float, limit: float, dtype: jnp.dtype,
+               rngs: nnx.Rngs | None):
+    self.alpha, self.limit = alpha, limit
+    self.gate_up = make_param(rngs, (hidden, 2 * width), dtype, (ax.EMBED, ax.MLP))
+    self.down = make_param(rngs, (width, hidden), dtype, (ax.MLP, ax.EMBED))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., H] -> [..., H]."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = gated_mlp(flat, self.gate_up[...], self.down[...], alpha=self.alpha, limit=self.limit)
+    return y.reshape(x.shape)
+
+
+class MoE(nnx.Module):
+  """Sigmoid-routed top-k experts (fp32 router, selection-only bias, renormalised weights, routed scale)
+  plus an ungated shared expert."""
+
+  def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, kernels: KernelChoice, rngs: nnx.Rngs | None):
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.intermediate_size
+    self.kernels = kernels
+    self.top_k = cfg.num_experts_per_tok
+    self.scale = cfg.routed_scaling_factor
+    self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+    self.router = make_param(rngs, (h, e), jnp.float32, (ax.EMBED, None))
+    self.correction_bias = make_param(rngs, (e,), jnp.float32, (None,), init="zeros")
+    self.w_gate_up = make_param(rngs, (e, h, 2 * i), dtype, (ax.EXPERTS, ax.EMBED, ax.EXPERT_MLP))
+    self.w_down = make_param(rngs, (e, i, h), dtype, (ax.EXPERTS, ax.EXPERT_MLP, ax.EMBED))
+    self.shared = DenseMLP(h, cfg.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype,
+                           rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [B, S, H] -> [B, S, H]."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = moe_ops.moe_block(
+        flat, self.router[...], self.correction_bias[...], self.w_gate_up[...], self.w_down[...],
+        self.shared.gate_up[...], self.shared.down[...], top_k=self.top_k, routed_scaling_factor=self.scale,
+        swiglu_alpha=self.alpha, swiglu_limit=self.limit, kernels=self.kernels)
+    return y.reshape(x.shape)

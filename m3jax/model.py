@@ -1,0 +1,127 @@
+"""The M3 causal language model (text backbone): embed -> decoder layers -> final norm -> untied LM head."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from m3jax import logical_axes as ax
+from m3jax.cache import LayerCache
+from m3jax.config import M3Config
+from m3jax.layers.decoder import DecoderLayer
+from m3jax.layers.norms import RMSNorm
+from m3jax.layers.params import make_param, project
+from m3jax.layers.rope import rope_cos_sin
+from m3jax.ops.dispatch import KernelChoice, resolve_kernels
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+  """logits fp32 [B, S, V]; caches: one LayerCache per layer (or None); hidden: final-normed [B, S, H]."""
+
+  logits: jax.Array
+  caches: tuple[LayerCache, ...] | None
+  hidden: jax.Array
+
+
+class M3ForCausalLM(nnx.Module):
+  """MiniMax M3 text model. ``model(input_ids)`` returns fp32 logits [B, S, V].
+
+  Args:
+    config: the whole-model config (only ``config.text`` is used here).
+    dtype: parameter and activation dtype (bf16 by default; fp32 for exact parity). Router weights and
+      correction biases are always fp32.
+    kernels: 'reference' | 'pallas' | 'auto' (default: $M3JAX_KERNELS or 'auto').
+    rngs: initialiser RNGs (None: zero-initialised parameters, e.g. before loading a checkpoint).
+  """
+
+  def __init__(self, config: M3Config, *, dtype: jnp.dtype = jnp.bfloat16, kernels: str | None = None,
+               rngs: nnx.Rngs | None = None):
+    cfg = config.text
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    self.kernels: KernelChoice = resolve_kernels(kernels)
+    self.embed = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (ax.VOCAB, ax.EMBED), std=1.0)
+    self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, kernels=self.kernels, rngs=rngs)
+                            for i in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+    self.lm_head = (None if cfg.tie_word_embeddings else
+                    make_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (ax.EMBED, ax.VOCAB)))
+
+  def init_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
+    """Zeroed per-layer caches for ``batch`` sequences of up to ``max_length`` tokens."""
+    cfg = self.config.text
+    return tuple(
+        LayerCache.zeros(batch, max_length, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.index_head_dim if kind == "sparse" else None, dtype or self.dtype)
+        for kind in cfg.attention_types)
+
+  def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
+    """input_ids int [B, S] -> embeddings [B, S, H] (plain lookup, no scaling)."""
+    return jnp.take(self.embed[...], input_ids, axis=0)
+
+  def forward(
+      self,
+      input_ids: jax.Array,
+      *,
+      positions: jax.Array | None = None,
+      caches: tuple[LayerCache, ...] | None = None,
+      inputs_embeds: jax.Array | None = None,
+  ) -> ForwardOutput:
+    """Runs the backbone.
+
+    Args:
+      input_ids: int32 [B, S].
+      positions: int32 [B, S] position of each token in its own sequence; required with caches, and
+        must be 0..S-1 (the default) without them.
+      caches: per-layer caches to write into and attend over (from ``init_caches``).
+      inputs_embeds: optional [B, S, H] replacing the token embeddings (multimodal inputs).
+
+    Returns:
+      ForwardOutput with fp32 logits [B, S, V].
+    """
+    cfg = self.config.text
+    _check_ids(input_ids, cfg.vocab_size)
+    b, s = input_ids.shape
+    if positions is None:
+      if caches is not None:
+        raise ValueError("forward with caches needs explicit positions [B, S]")
+      positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if positions.shape != (b, s):
+      raise ValueError(f"positions has shape {positions.shape}, expected {(b, s)} like input_ids")
+    if caches is not None and len(caches) != cfg.num_layers:
+      raise ValueError(f"got {len(caches)} layer caches for {cfg.num_layers} layers")
+    h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
+    new_caches = []
+    for i, layer in enumerate(self.layers):
+      h, c = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i])
+      new_caches.append(c)
+    hidden = self.final_norm(h)
+    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    logits = project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32)
+    return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden)
+
+  def __call__(self, input_ids: jax.Array) -> jax.Array:
+    """input_ids int32 [B, S] -> fp32 logits [B, S, V] (one jit-compiled full forward)."""
+    return _jit_logits(self, jnp.asarray(input_ids, jnp.int32))
+
+
+@nnx.jit
+def _jit_logits(model: M3ForCausalLM, input_ids: jax.Array) -> jax.Array:
+  return model.forward(input_ids).logits
+
+
+def _check_ids(input_ids: jax.Array, vocab_size: int) -> None:
+  if input_ids.ndim != 2:
+    raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+  if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+    raise ValueError(f"input_ids must be integers, got {input_ids.dtype}")
+  if not isinstance(input_ids, jax.core.Tracer):
+    lo, hi = int(jnp.min(input_ids)), int(jnp.max(input_ids))
+    if lo < 0 or hi >= vocab_size:
+      raise ValueError(f"input_ids outside [0, {vocab_size}): min {lo}, max {hi}")

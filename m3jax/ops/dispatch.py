@@ -1,0 +1,83 @@
+"""Kernel selection: ``M3JAX_KERNELS=reference|pallas|auto`` (default auto).
+
+* reference: always the pure-jnp references in ``pallas_kernels.*.reference``.
+* pallas: the Mosaic GPU kernels; on a machine without a GPU they run in interpret mode (slow, for tests).
+* auto: the kernel on GPU when one exists for the op, the reference otherwise.
+
+The choice is resolved when a model is built (``resolve_kernels``) and stored on the layers as a plain
+string, so jit caches stay correct. A kernel that does not support a shape raises NotImplementedError; the
+call then falls back to the reference (a rule, logged once per op and reason), never a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+
+KernelChoice = Literal["reference", "pallas", "auto"]
+_VALID = ("reference", "pallas", "auto")
+_log = logging.getLogger("m3jax.ops")
+
+
+def resolve_kernels(choice: str | None = None) -> KernelChoice:
+  """The explicit choice, else $M3JAX_KERNELS, else 'auto'; validated."""
+  value = choice if choice is not None else os.environ.get("M3JAX_KERNELS", "auto")
+  value = value.strip().lower()
+  if value not in _VALID:
+    raise ValueError(f"M3JAX_KERNELS / kernels={value!r}: expected one of {_VALID}")
+  return value  # type: ignore[return-value]
+
+
+def _find_kernel(module: str, name: str) -> Callable[..., Any] | None:
+  try:
+    return getattr(importlib.import_module(module), name, None)
+  except ImportError:
+    return None
+
+
+def _interpret_params() -> Any:
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+
+  return plgpu.InterpretGPUParams()
+
+
+def run_op(
+    choice: KernelChoice,
+    *,
+    kernel_module: str,
+    kernel_name: str,
+    reference: Callable[..., jax.Array],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+  """Runs ``kernel_module.kernel_name(*args, **kwargs, interpret=...)`` or ``reference(*args, **kwargs)``."""
+  if choice == "reference":
+    return reference(*args, **kwargs)
+  on_gpu = jax.default_backend() == "gpu"
+  kernel = _find_kernel(kernel_module, kernel_name)
+  if kernel is None:
+    if choice == "pallas":
+      _log_once(f"{kernel_module}.{kernel_name}: no Pallas kernel yet; using the reference")
+    return reference(*args, **kwargs)
+  if choice == "auto" and not on_gpu:
+    return reference(*args, **kwargs)
+  interpret = False if on_gpu else _interpret_params()
+  try:
+    return kernel(*args, **kwargs, interpret=interpret)
+  except NotImplementedError as e:
+    _log_once(f"{kernel_module}.{kernel_name}: falls back to the reference: {e}")
+    return reference(*args, **kwargs)
+
+
+_seen: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+  if message not in _seen:
+    _seen.add(message)
+    _log.warning(message)
