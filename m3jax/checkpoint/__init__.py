@@ -1,0 +1,1 @@
+"""Checkpoint I/O: the only package that knows MiniMax / HF tensor names."""

@@ -1,0 +1,194 @@
+"""Checkpoint tensor names <-> m3jax parameter paths, with invertible transforms.
+
+Three checkpoint layouts (M3_SPEC §4-5):
+  * ``original``: what MiniMax releases and HF ``save_pretrained`` writes
+    (``language_model.model.layers.N.block_sparse_moe.experts.E.w1.weight`` ...).
+  * ``hf``: HF transformers' in-memory VL layout (``model.language_model.layers.N.mlp.experts.gate_up_proj``).
+  * ``hf_text``: HF's text-only ``MiniMaxM3VLForCausalLM`` (``model.layers.N...``, ``lm_head.weight``).
+Checkpoint linears are [out, in]; m3jax stores [in, out] (heads split out), so most transforms transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+
+from m3jax.config import TextConfig
+
+Layout = Literal["original", "hf", "hf_text"]
+LAYOUTS: tuple[Layout, ...] = ("original", "hf", "hf_text")
+ParamPath = tuple[str | int, ...]
+
+# Tensors that belong to other parts of the model (vision tower, MTP) and are skipped by the text loader.
+_SKIPPED_PREFIXES = {
+    "original": ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.", "language_model.model.mtp."),
+    "hf": ("model.vision_tower.", "model.multi_modal_projector.", "model.language_model.mtp.", "mtp."),
+    "hf_text": ("model.mtp.", "mtp."),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRule:
+  """One m3jax parameter built from one or more checkpoint tensors.
+
+  to_param(list of source arrays) -> parameter array; from_param(parameter) -> list of source arrays.
+  """
+
+  path: ParamPath
+  sources: tuple[str, ...]
+  source_shapes: tuple[tuple[int, ...], ...]
+  to_param: Callable[[Sequence[np.ndarray]], np.ndarray]
+  from_param: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _copy(path, name, shape) -> TensorRule:
+  return TensorRule(path, (name,), (shape,), lambda s: s[0], lambda p: [p])
+
+
+def _linear(path, name, out_in: tuple[int, int], param_shape: tuple[int, ...]) -> TensorRule:
+  """Checkpoint [out, in] <-> m3jax param = W.T reshaped to param_shape (e.g. [in, heads, dim])."""
+  return TensorRule(path, (name,), (out_in,),
+                    lambda s: np.ascontiguousarray(s[0].T).reshape(param_shape),
+                    lambda p: [np.ascontiguousarray(p.reshape(out_in[::-1]).T)])
+
+
+def _gate_up(path, gate: str, up: str, width: int, hidden: int) -> TensorRule:
+  """gate [F, H] and up [F, H] <-> gate_up [H, 2F] (gate columns first)."""
+  return TensorRule(path, (gate, up), ((width, hidden), (width, hidden)),
+                    lambda s: np.concatenate([s[0].T, s[1].T], axis=1),
+                    lambda p: [np.ascontiguousarray(p[:, :width].T), np.ascontiguousarray(p[:, width:].T)])
+
+
+def _expert_gate_up(path, w1: list[str], w3: list[str], width: int, hidden: int) -> TensorRule:
+  """Per-expert w1 (gate) [I, H] and w3 (up) [I, H] <-> [E, H, 2I]."""
+  e = len(w1)
+
+  def to_param(s):
+    return np.stack([np.concatenate([s[i].T, s[e + i].T], axis=1) for i in range(e)])
+
+  def from_param(p):
+    return ([np.ascontiguousarray(p[i, :, :width].T) for i in range(e)]
+            + [np.ascontiguousarray(p[i, :, width:].T) for i in range(e)])
+
+  return TensorRule(path, tuple(w1 + w3), ((width, hidden),) * (2 * e), to_param, from_param)
+
+
+def _expert_down(path, w2: list[str], width: int, hidden: int) -> TensorRule:
+  """Per-expert w2 (down) [H, I] <-> [E, I, H]."""
+  e = len(w2)
+  return TensorRule(path, tuple(w2), ((hidden, width),) * e,
+                    lambda s: np.stack([x.T for x in s]),
+                    lambda p: [np.ascontiguousarray(p[i].T) for i in range(e)])
+
+
+def _stacked_transpose(path, name, shape: tuple[int, int, int]) -> TensorRule:
+  """HF stacked experts [E, out, in] <-> [E, in, out]."""
+  return TensorRule(path, (name,), (shape,),
+                    lambda s: np.ascontiguousarray(np.swapaxes(s[0], 1, 2)),
+                    lambda p: [np.ascontiguousarray(np.swapaxes(p, 1, 2))])
+
+
+def _hf_gate_up(path, name, width: int, hidden: int) -> TensorRule:
+  """HF fused gate_up_proj.weight [2F, H] <-> [H, 2F]."""
+  return _linear(path, name, (2 * width, hidden), (hidden, 2 * width))
+
+
+def prefixes(layout: Layout) -> tuple[str, str]:
+  """(backbone prefix, lm_head name) of a layout."""
+  return {
+      "original": ("language_model.model.", "language_model.lm_head.weight"),
+      "hf": ("model.language_model.", "lm_head.weight"),
+      "hf_text": ("model.", "lm_head.weight"),
+  }[layout]
+
+
+def text_rules(cfg: TextConfig, layout: Layout) -> list[TensorRule]:
+  """Every text-backbone parameter of ``cfg`` and where it lives in a ``layout`` checkpoint."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"unknown checkpoint layout {layout!r}; expected one of {LAYOUTS}")
+  pre, head_name = prefixes(layout)
+  h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  hi, di, e, i_w = cfg.index_num_heads, cfg.index_head_dim, cfg.num_experts, cfg.intermediate_size
+  original = layout == "original"
+  rules = [
+      _copy(("embed",), pre + "embed_tokens.weight", (cfg.vocab_size, h)),
+      _copy(("final_norm", "weight"), pre + "norm.weight", (h,)),
+  ]
+  if not cfg.tie_word_embeddings:
+    rules.append(_linear(("lm_head",), head_name, (cfg.vocab_size, h), (h, cfg.vocab_size)))
+  for n in range(cfg.num_layers):
+    lp, at = f"{pre}layers.{n}.", ("layers", n, "attn")
+    rules += [
+        _copy(("layers", n, "input_norm", "weight"), lp + "input_layernorm.weight", (h,)),
+        _copy(("layers", n, "post_attention_norm", "weight"), lp + "post_attention_layernorm.weight", (h,)),
+        _linear(at + ("q_proj",), lp + "self_attn.q_proj.weight", (nq * d, h), (h, nq, d)),
+        _linear(at + ("k_proj",), lp + "self_attn.k_proj.weight", (nkv * d, h), (h, nkv, d)),
+        _linear(at + ("v_proj",), lp + "self_attn.v_proj.weight", (nkv * d, h), (h, nkv, d)),
+        _linear(at + ("o_proj",), lp + "self_attn.o_proj.weight", (h, nq * d), (nq, d, h)),
+        _copy(at + ("q_norm", "weight"), lp + "self_attn.q_norm.weight", (d,)),
+        _copy(at + ("k_norm", "weight"), lp + "self_attn.k_norm.weight", (d,)),
+    ]
+    if cfg.attention_types[n] == "sparse":
+      ix = at + ("indexer",)
+      name = (lambda s: f"{lp}self_attn.index_{s}.weight") if original else (
+          lambda s: f"{lp}self_attn.indexer.{s}.weight")
+      rules += [
+          _linear(ix + ("q_proj",), name("q_proj"), (hi * di, h), (h, hi, di)),
+          _linear(ix + ("k_proj",), name("k_proj"), (di, h), (h, di)),
+          _copy(ix + ("q_norm", "weight"), name("q_norm"), (di,)),
+          _copy(ix + ("k_norm", "weight"), name("k_norm"), (di,)),
+      ]
+    mp = ("layers", n, "mlp")
+    if cfg.mlp_types[n] == "dense":
+      f = cfg.dense_intermediate_size
+      if original:
+        rules.append(_gate_up(mp + ("gate_up",), lp + "mlp.gate_proj.weight", lp + "mlp.up_proj.weight", f, h))
+      else:
+        rules.append(_hf_gate_up(mp + ("gate_up",), lp + "mlp.gate_up_proj.weight", f, h))
+      rules.append(_linear(mp + ("down",), lp + "mlp.down_proj.weight", (h, f), (f, h)))
+      continue
+    s_w = cfg.shared_intermediate_size
+    if original:
+      moe = lp + "block_sparse_moe."
+      rules += [
+          _linear(mp + ("router",), moe + "gate.weight", (e, h), (h, e)),
+          _copy(mp + ("correction_bias",), moe + "e_score_correction_bias", (e,)),
+          _expert_gate_up(mp + ("w_gate_up",), [f"{moe}experts.{j}.w1.weight" for j in range(e)],
+                          [f"{moe}experts.{j}.w3.weight" for j in range(e)], i_w, h),
+          _expert_down(mp + ("w_down",), [f"{moe}experts.{j}.w2.weight" for j in range(e)], i_w, h),
+          _gate_up(mp + ("shared", "gate_up"), moe + "shared_experts.gate_proj.weight",
+                   moe + "shared_experts.up_proj.weight", s_w, h),
+          _linear(mp + ("shared", "down"), moe + "shared_experts.down_proj.weight", (h, s_w), (s_w, h)),
+      ]
+    else:
+      moe = lp + "mlp."
+      rules += [
+          _linear(mp + ("router",), moe + "gate.weight", (e, h), (h, e)),
+          _copy(mp + ("correction_bias",), moe + "gate.e_score_correction_bias", (e,)),
+          _stacked_transpose(mp + ("w_gate_up",), moe + "experts.gate_up_proj", (e, 2 * i_w, h)),
+          _stacked_transpose(mp + ("w_down",), moe + "experts.down_proj", (e, h, i_w)),
+          _hf_gate_up(mp + ("shared", "gate_up"), moe + "shared_experts.gate_up_proj.weight", s_w, h),
+          _linear(mp + ("shared", "down"), moe + "shared_experts.down_proj.weight", (h, s_w), (s_w, h)),
+      ]
+  return rules
+
+
+def detect_layout(names: Sequence[str]) -> Layout:
+  """Which layout a checkpoint's tensor names follow."""
+  names = list(names)
+  if any(n.startswith("language_model.model.") for n in names):
+    return "original"
+  if any(n.startswith("model.language_model.") for n in names):
+    return "hf"
+  if any(n.startswith("model.layers.") or n == "model.embed_tokens.weight" for n in names):
+    return "hf_text"
+  sample = ", ".join(sorted(names)[:3])
+  raise ValueError(f"cannot recognise the checkpoint layout from its tensor names (e.g. {sample})")
+
+
+def is_skipped(name: str, layout: Layout) -> bool:
+  """True for tensors the text backbone does not use (vision tower, projector, MTP)."""
+  return name.startswith(_SKIPPED_PREFIXES[layout]) or ".mtp." in name

@@ -1,0 +1,97 @@
+"""Read-only view of a safetensors checkpoint directory (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be read as an M3 model (names the file and tensor)."""
+
+
+class SafetensorsDir:
+  """Tensor name -> (file, shape, dtype) for every tensor of a checkpoint directory; lazy reads.
+
+  Pickle-based weights (``.bin``/``.pt``) are refused: loading them can execute arbitrary code.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.fspath(path)
+    if not os.path.isdir(self.path):
+      raise CheckpointError(f"{self.path}: not a directory")
+    files = sorted(f for f in os.listdir(self.path) if f.endswith(".safetensors"))
+    if not files:
+      pickles = [f for f in os.listdir(self.path) if f.endswith(_PICKLE_SUFFIXES)]
+      if pickles:
+        raise CheckpointError(
+            f"{self.path}: only pickle-based weights ({', '.join(pickles[:3])}); these can execute code when "
+            "loaded and are refused. Convert them to safetensors first (e.g. with HF save_pretrained).")
+      raise CheckpointError(f"{self.path}: no .safetensors files")
+    index_path = os.path.join(self.path, INDEX_NAME)
+    self._file_of: dict[str, str] = {}
+    if os.path.exists(index_path):
+      with open(index_path) as f:
+        weight_map = json.load(f).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: no 'weight_map'")
+      for name, fname in weight_map.items():
+        if not os.path.exists(os.path.join(self.path, fname)):
+          raise CheckpointError(f"{index_path}: tensor {name!r} points to missing file {fname!r}")
+      files = sorted(set(weight_map.values()))
+    self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
+    for fname in files:
+      full = os.path.join(self.path, fname)
+      try:
+        with safe_open(full, framework="numpy") as f:
+          for name in f.keys():
+            if name in self._file_of and self._file_of[name] != fname:
+              raise CheckpointError(f"{self.path}: tensor {name!r} is in both {self._file_of[name]} and {fname}")
+            sl = f.get_slice(name)
+            self._file_of[name] = fname
+            self._meta[name] = (tuple(sl.get_shape()), sl.get_dtype())
+      except CheckpointError:
+        raise
+      except Exception as e:  # safetensors raises its own error types for corrupt/truncated files
+        raise CheckpointError(f"{full}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+    if os.path.exists(index_path):
+      missing = [n for n, fn in weight_map.items() if n not in self._meta]
+      if missing:
+        raise CheckpointError(f"{index_path}: tensor {missing[0]!r} is listed but absent from {weight_map[missing[0]]}")
+
+  def keys(self) -> list[str]:
+    return list(self._meta)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._meta
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._meta[name][0]
+
+  def dtype(self, name: str) -> str:
+    """The safetensors dtype string (e.g. 'BF16', 'F32', 'F8_E4M3', 'U8')."""
+    return self._meta[name][1]
+
+  def file_of(self, name: str) -> str:
+    return self._file_of[name]
+
+  def get(self, name: str) -> np.ndarray:
+    """Reads one tensor as a numpy array (bf16/fp8 via ml_dtypes)."""
+    if name not in self._meta:
+      raise CheckpointError(f"{self.path}: no tensor {name!r}")
+    full = os.path.join(self.path, self._file_of[name])
+    try:
+      with safe_open(full, framework="numpy") as f:
+        return f.get_tensor(name)
+    except Exception as e:
+      raise CheckpointError(f"{full}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._meta)
