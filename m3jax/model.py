@@ -108,7 +108,9 @@ class M3ForCausalLM(nnx.Module):
 
   def __call__(self, input_ids: jax.Array) -> jax.Array:
     """input_ids int32 [B, S] -> fp32 logits [B, S, V] (one jit-compiled full forward)."""
-    return _jit_logits(self, jnp.asarray(input_ids, jnp.int32))
+    input_ids = jnp.asarray(input_ids)
+    _check_ids(input_ids, self.config.text.vocab_size)
+    return _jit_logits(self, input_ids.astype(jnp.int32))
 
 
 @nnx.jit
