@@ -1,0 +1,177 @@
+"""M3 MoE block on Hopper: fp32 router (jnp), sort-by-expert dispatch, two tile-grouped Pallas
+Mosaic-GPU GEMMs (gate_up with fused SwiGLU-OAI epilogue, down), fp32 weighted un-permute.
+
+The shared expert rides in the same two launches (its tiles come first, expert id E) when its
+width equals the routed expert width; otherwise it runs as a one-expert grouped GEMM beside them.
+
+dtypes: bf16/f16 operands run natively (fp32 accumulation and epilogue, one rounding of the
+activation, as M3_SPEC §2.5). fp32 operands run through the same bf16 kernels with a 3-pass split
+(hi*hi + hi*lo + lo*hi, stacked along K), which is fp32-accurate to ~1e-5 relative at 3x the bf16
+FLOPs plus a split copy of the weights: a correctness path, not a fast one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic_block_sizes
+from pallas_kernels.moe.dispatch import build_dispatch
+from pallas_kernels.moe.kernel_sm90 import grouped_matmul
+from pallas_kernels.moe.reference import route_reference
+
+_NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down, top_k):
+  """Raises ValueError on inconsistent shapes, NotImplementedError on unsupported dtypes."""
+  if x.ndim != 2:
+    raise ValueError(f"x must be [T, H], got {x.shape}")
+  t, h = x.shape
+  if router_w.ndim != 2 or router_w.shape[0] != h:
+    raise ValueError(f"router_w must be [H={h}, E], got {router_w.shape}")
+  e = router_w.shape[1]
+  if correction_bias.shape != (e,):
+    raise ValueError(f"correction_bias must be [E={e}], got {correction_bias.shape}")
+  if w_gate_up.ndim != 3 or w_gate_up.shape[:2] != (e, h) or w_gate_up.shape[2] % 2:
+    raise ValueError(f"w_gate_up must be [E={e}, H={h}, 2I], got {w_gate_up.shape}")
+  inter = w_gate_up.shape[2] // 2
+  if w_down.shape != (e, inter, h):
+    raise ValueError(f"w_down must be [E={e}, I={inter}, H={h}], got {w_down.shape}")
+  if shared_gate_up.ndim != 2 or shared_gate_up.shape[0] != h or shared_gate_up.shape[1] % 2:
+    raise ValueError(f"shared_gate_up must be [H={h}, 2Is], got {shared_gate_up.shape}")
+  if shared_down.shape != (shared_gate_up.shape[1] // 2, h):
+    raise ValueError(f"shared_down must be [Is, H={h}], got {shared_down.shape}")
+  if not 1 <= top_k <= e:
+    raise ValueError(f"top_k must be in [1, E={e}], got {top_k}")
+  if x.dtype not in (*_NATIVE, jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"moe_block supports bf16/f16/f32 activations, got {x.dtype}")
+  for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("shared_gate_up", shared_gate_up),
+                  ("shared_down", shared_down)):
+    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype.itemsize < 2:
+      raise NotImplementedError(f"{name} dtype {w.dtype} is not supported (quantized weights)")
+
+
+def _split3_lhs(a: jax.Array) -> jax.Array:
+  """fp32 [M, K] -> bf16 [M, 3K] = [hi, hi, lo]."""
+  hi = a.astype(jnp.bfloat16)
+  lo = (a - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return jnp.concatenate([hi, hi, lo], axis=-1)
+
+
+def _split3_rhs(w: jax.Array) -> jax.Array:
+  """fp32 [..., K, N] -> bf16 [..., 3K, N] = [hi; lo; hi] (pairs with _split3_lhs)."""
+  w = w.astype(jnp.float32)
+  hi = w.astype(jnp.bfloat16)
+  lo = (w - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return jnp.concatenate([hi, lo, hi], axis=-2)
+
+
+def _fit_smem(bs: MoeBlockSizes, n_parts: int, out_itemsize: int) -> MoeBlockSizes:
+  """Shrinks the pipeline depth until the CTA fits in shared memory."""
+  while bs.smem_bytes(n_parts, 2, out_itemsize) > SMEM_LIMIT_BYTES:
+    if bs.max_concurrent_steps <= 2:
+      raise NotImplementedError(f"{bs} does not fit in {SMEM_LIMIT_BYTES} bytes of SMEM")
+    bs = dataclasses.replace(bs, max_concurrent_steps=bs.max_concurrent_steps - 1)
+  return bs
+
+
+def _default_num_sms(interpret: Any) -> int:
+  if interpret:
+    return 3  # small persistent grid: several work items per "SM" are still exercised
+  return jax.extend.backend.get_default_device().core_count
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "top_k", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit", "interpret",
+        "block_sizes", "num_sms", "fuse_shared",
+    ),
+)
+def moe_block(
+    x: jax.Array,
+    router_w: jax.Array,
+    correction_bias: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    shared_gate_up: jax.Array,
+    shared_down: jax.Array,
+    *,
+    top_k: int,
+    routed_scaling_factor: float,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    block_sizes: tuple[MoeBlockSizes, MoeBlockSizes] | None = None,
+    num_sms: int | None = None,
+    fuse_shared: bool = True,
+) -> jax.Array:
+  """The M3 MoE block (same contract as ``moe_block_reference``) on Pallas Mosaic GPU kernels.
+
+  Args:
+    x: [T, H]; router_w [H, E] (fp32 math); correction_bias [E]; w_gate_up [E, H, 2I] (gate cols
+      first); w_down [E, I, H]; shared_gate_up [H, 2Is]; shared_down [Is, H].
+    interpret: True (or an InterpretGPUParams) runs the kernels in the CPU GPU-interpreter.
+    block_sizes: (gate_up, down) tiles; both must share block_m. Default: heuristic_block_sizes.
+    num_sms: persistent grid size (default: the device's SM count; 3 when interpreting).
+    fuse_shared: run the shared expert inside the routed launches when Is == I.
+
+  Returns:
+    [T, H] in x.dtype.
+
+  Raises:
+    ValueError: inconsistent shapes or block sizes. NotImplementedError: unsupported dtype or
+    a shape that does not tile (H % block_k, I % block_n, H % block_n of the down GEMM).
+  """
+  _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down, top_k)
+  t, h = x.shape
+  e = router_w.shape[1]
+  inter = w_gate_up.shape[2] // 2
+  shared_inter = shared_down.shape[0]
+  if t == 0:
+    return jnp.zeros((0, h), x.dtype)
+  interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or False)
+  bs_gu, bs_dn = block_sizes or heuristic_block_sizes(t, top_k, e)
+  if bs_gu.block_m != bs_dn.block_m:
+    raise ValueError(f"gate_up and down block_m differ: {bs_gu.block_m} vs {bs_dn.block_m}")
+  bm = bs_gu.block_m
+  n_sms = num_sms or _default_num_sms(interp)
+  fp32 = x.dtype == jnp.float32
+  out_itemsize = 4 if fp32 else x.dtype.itemsize
+  bs_gu = _fit_smem(bs_gu, 2, out_itemsize)
+  bs_dn = _fit_smem(bs_dn, 1, out_itemsize)
+  fused = fuse_shared and shared_inter == inter
+  mm = functools.partial(grouped_matmul, num_sms=n_sms, interpret=interp, alpha=swiglu_alpha,
+                         limit=swiglu_limit)
+
+  def prep_w(w):  # [..., K, N] -> kernel operand
+    return _split3_rhs(w) if fp32 else w.astype(x.dtype)
+
+  def prep_lhs(a):
+    return _split3_lhs(a) if fp32 else a
+
+  def two_gemms(meta, lhs, wgu, wd, sgu, sd):
+    act = mm(meta, prep_lhs(lhs), prep_w(wgu), None if sgu is None else prep_w(sgu), n_parts=2,
+             epilogue="swiglu", out_dtype=x.dtype, block_sizes=bs_gu)
+    return mm(meta, prep_lhs(act), prep_w(wd), None if sd is None else prep_w(sd), n_parts=1,
+              epilogue="none", out_dtype=x.dtype, block_sizes=bs_dn)
+
+  weights, expert_ids, _ = route_reference(x, router_w, correction_bias, top_k=top_k)
+  d = build_dispatch(expert_ids, num_experts=e, block_m=bm, fuse_shared=fused)
+  y = two_gemms(d.meta, x[d.row_token], w_gate_up, w_down,
+                shared_gate_up if fused else None, shared_down if fused else None)
+  routed = jnp.sum(weights[:, :, None] * y[d.pos].astype(jnp.float32), axis=1)  # fp32 un-permute
+  if fused:
+    shared = y[:t]
+  else:
+    s_tiles = -(-t // bm)
+    s_meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])
+    x_pad = jnp.pad(x, ((0, s_tiles * bm - t), (0, 0)))
+    shared = two_gemms(s_meta, x_pad, shared_gate_up[None], shared_down[None], None, None)[:t]
+  return (routed * routed_scaling_factor + shared.astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,62 @@
+"""Tile sizes for the MoE grouped GEMMs (Hopper, Mosaic GPU) and a shape heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def _is_pow2(v: int) -> bool:
+  return v > 0 and (v & (v - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MoeBlockSizes:
+  """Tiles of one grouped GEMM.
+
+  block_m: rows per tile (tokens of one expert); 64 or 128 (one wgmma M=64 per 64 rows).
+  block_n: output columns per work item, split over two consumer warpgroups (block_n // 2 each).
+    For gate_up this is intermediate columns: the item loads block_n gate + block_n up columns.
+  block_k: reduction step per pipeline stage (64 bf16 = one 128-byte swizzle row).
+  max_concurrent_steps: TMA pipeline depth.
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  max_concurrent_steps: int = 4
+
+  def __post_init__(self):
+    if self.block_m not in (64, 128):
+      raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
+    if not _is_pow2(self.block_n) or not 32 <= self.block_n <= 512:
+      raise ValueError(f"block_n must be a power of two in [32, 512], got {self.block_n}")
+    if self.block_k not in (32, 64):
+      raise ValueError(f"block_k must be 32 or 64, got {self.block_k}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+
+  def smem_bytes(self, n_parts: int, itemsize: int = 2, out_itemsize: int = 2) -> int:
+    """Shared memory of one CTA: pipeline stages plus the epilogue staging tile."""
+    stage = (self.block_m * self.block_k + n_parts * self.block_k * self.block_n) * itemsize
+    epilogue = 2 * self.block_m * min(self.block_n // 2, 64) * out_itemsize  # 2 consumer WGs
+    return stage * self.max_concurrent_steps + epilogue
+
+
+SMEM_LIMIT_BYTES = 227 * 1024
+
+
+def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeBlockSizes, MoeBlockSizes]:
+  """(gate_up, down) tile sizes for a token count.
+
+  Decode-sized batches (<= 64 rows per expert in the worst case) use block_m=64 so each touched
+  expert is one m-tile and its weights stream through exactly once; prefill uses 128-row tiles.
+  """
+  del num_experts
+  if num_tokens <= 64:
+    gate_up = MoeBlockSizes(block_m=64, block_n=128, block_k=64, max_concurrent_steps=5)
+    down = MoeBlockSizes(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5)
+  else:
+    gate_up = MoeBlockSizes(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
+    down = MoeBlockSizes(block_m=128, block_n=256, block_k=64, max_concurrent_steps=4)
+  del top_k
+  return gate_up, down

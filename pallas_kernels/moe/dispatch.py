@@ -1,0 +1,91 @@
+"""Token permutation for the tile-grouped MoE GEMMs (pure jnp; sort + histogram).
+
+Padded row layout (``M_pad = max_tiles * block_m`` rows):
+
+  [ shared-expert tiles: token t at row t | expert 0 tiles | expert 1 tiles | ... | dead tiles ]
+
+Each expert's rows start on a ``block_m`` boundary, so every tile belongs to one expert and each
+touched expert is streamed once per (m-tile, n-tile). Padding rows replay token 0; their outputs
+are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+  """Routing layout for one batch.
+
+  meta: int32 [1 + max_tiles]: live tile count, then the expert of each tile (E = shared expert).
+  row_token: int32 [M_pad], the token whose activations feed each padded row.
+  pos: int32 [T, K], the padded row holding assignment (t, k).
+  shared_tiles: static number of leading tiles that hold the shared expert (0 if not fused).
+  """
+
+  meta: jax.Array
+  row_token: jax.Array
+  pos: jax.Array
+  shared_tiles: int
+
+
+def max_routed_tiles(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
+  """Static bound on sum_e ceil(count_e / block_m) over the nonempty experts."""
+  assignments = num_tokens * top_k
+  nonempty = min(num_experts, assignments)
+  return min(assignments, (assignments + nonempty * (block_m - 1)) // block_m)
+
+
+def build_dispatch(
+    expert_ids: jax.Array, *, num_experts: int, block_m: int, fuse_shared: bool
+) -> Dispatch:
+  """Sorts the [T, K] assignments by expert into block_m-aligned groups.
+
+  Args:
+    expert_ids: int32 [T, K] routed expert of each (token, slot).
+    num_experts: E.
+    block_m: tile rows.
+    fuse_shared: prepend ceil(T / block_m) tiles (expert id E) holding every token once.
+
+  Returns:
+    Dispatch.
+  """
+  t, k = expert_ids.shape
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  if fuse_shared:
+    shared_tiles = -(-t // block_m)
+  else:
+    shared_tiles = 0
+  max_tiles = shared_tiles + max_routed_tiles(t, k, num_experts, block_m)
+  m_pad = max_tiles * block_m
+
+  counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+  tiles_e = (counts + block_m - 1) // block_m
+  tile_end_e = jnp.cumsum(tiles_e)  # inclusive
+  tile_start_e = tile_end_e - tiles_e
+  group_start_e = jnp.cumsum(counts) - counts  # start of expert e in the sorted order
+
+  order = jnp.argsort(flat, stable=True)  # sorted slot -> assignment index
+  sorted_e = flat[order]
+  rank = jnp.arange(t * k, dtype=jnp.int32) - group_start_e[sorted_e]
+  sorted_row = (shared_tiles + tile_start_e[sorted_e]) * block_m + rank
+  pos = jnp.zeros((t * k,), jnp.int32).at[order].set(sorted_row).reshape(t, k)
+
+  row_token = jnp.zeros((m_pad,), jnp.int32)
+  if fuse_shared:
+    row_token = row_token.at[:t].set(jnp.arange(t, dtype=jnp.int32))
+  row_token = row_token.at[sorted_row].set((order // k).astype(jnp.int32))
+
+  tile_ids = jnp.arange(max_tiles - shared_tiles, dtype=jnp.int32)
+  routed_expert = jnp.searchsorted(tile_end_e, tile_ids, side="right").astype(jnp.int32)
+  routed_expert = jnp.minimum(routed_expert, num_experts - 1)  # dead tiles; never visited
+  tile_expert = jnp.concatenate(
+      [jnp.full((shared_tiles,), num_experts, jnp.int32), routed_expert]
+  )
+  num_live = (shared_tiles + tile_end_e[-1]).astype(jnp.int32)
+  meta = jnp.concatenate([num_live[None], tile_expert])
+  return Dispatch(meta=meta, row_token=row_token, pos=pos, shared_tiles=shared_tiles)
