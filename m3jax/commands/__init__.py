@@ -1,0 +1,1 @@
+"""Subcommands of the ``m3jax`` CLI (see m3jax/cli.py)."""
