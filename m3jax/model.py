@@ -71,6 +71,7 @@ class M3ForCausalLM(nnx.Module):
       positions: jax.Array | None = None,
       caches: tuple[LayerCache, ...] | None = None,
       inputs_embeds: jax.Array | None = None,
+      logits_at: jax.Array | None = None,
   ) -> ForwardOutput:
     """Runs the backbone.
 
@@ -80,9 +81,11 @@ class M3ForCausalLM(nnx.Module):
         must be 0..S-1 (the default) without them.
       caches: per-layer caches to write into and attend over (from ``init_caches``).
       inputs_embeds: optional [B, S, H] replacing the token embeddings (multimodal inputs).
+      logits_at: optional int32 [B]: compute logits only at this index of each row (prefill), giving
+        logits [B, 1, V] instead of [B, S, V].
 
     Returns:
-      ForwardOutput with fp32 logits [B, S, V].
+      ForwardOutput with fp32 logits [B, S, V] (or [B, 1, V] with logits_at).
     """
     cfg = self.config.text
     _check_ids(input_ids, cfg.vocab_size)
@@ -102,6 +105,8 @@ class M3ForCausalLM(nnx.Module):
       h, c = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i])
       new_caches.append(c)
     hidden = self.final_norm(h)
+    if logits_at is not None:
+      hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None], axis=1)
     head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     logits = project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32)
     return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden)

@@ -1,0 +1,213 @@
+"""Generation: jit-compiled prefill and decode over per-layer caches, one-jit generate, streaming.
+
+Prompts of different lengths are right-padded to a power-of-two bucket; every cache is anchored to its
+sequence's own positions, so each sequence gets exactly the tokens it would get alone (pad slots are
+overwritten by real tokens before any query can see them). Prompts in the same bucket share one compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from m3jax.model import M3ForCausalLM
+from m3jax.sampling import SamplingParams, sample
+
+_MIN_BUCKET = 16
+_CACHE_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """tokens int32 [B, max_new_tokens] (``pad_token_id`` after a stop); lengths int32 [B] (new tokens per
+  sequence, a stop token included)."""
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+
+
+def bucket_length(n: int) -> int:
+  """The padded prompt length: the next power of two >= n (at least 16)."""
+  return max(_MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int = 0
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """A ragged list of prompts (or an int array [B, S]) -> (right-padded int32 [B, bucket], lengths [B])."""
+  if isinstance(prompts, np.ndarray) or hasattr(prompts, "shape"):
+    arr = np.asarray(prompts)
+    if arr.ndim != 2:
+      raise ValueError(f"prompt_ids must be [batch, seq] or a list of lists, got shape {arr.shape}")
+    prompts = [list(row) for row in arr]
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("every prompt needs at least one token")
+  lengths = np.asarray([len(p) for p in prompts], np.int32)
+  padded = np.full((len(prompts), bucket_length(int(lengths.max()))), pad_token_id, np.int32)
+  for i, p in enumerate(prompts):
+    padded[i, : len(p)] = p
+  return padded, lengths
+
+
+def cache_length_for(prompt_bucket: int, max_new_tokens: int) -> int:
+  """Cache slots needed for a bucket plus max_new_tokens, rounded up to a multiple of 128."""
+  need = prompt_bucket + max_new_tokens
+  return -(-need // _CACHE_ALIGN) * _CACHE_ALIGN
+
+
+def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max_new_tokens: int,
+              max_length: int | None) -> int:
+  """Checks sizes before any compute; returns the cache length."""
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  vocab = model.config.text.vocab_size
+  if padded.min() < 0 or padded.max() >= vocab:
+    raise ValueError(f"prompt ids outside [0, {vocab}): min {padded.min()}, max {padded.max()}")
+  longest = int(lengths.max())
+  limit = model.config.text.max_position_embeddings if max_length is None else max_length
+  if longest > limit:
+    raise ValueError(f"prompt of {longest} tokens is longer than the cache ({limit} tokens)")
+  if longest + max_new_tokens > limit:
+    raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the cache "
+                     f"({limit} tokens)")
+  cache_len = cache_length_for(padded.shape[1], max_new_tokens)
+  return cache_len if max_length is None else max(min(cache_len, max_length), longest + max_new_tokens)
+
+
+def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_len: int
+             ) -> tuple[jax.Array, tuple]:
+  """prompt int32 [B, S], lengths [B] -> (logits fp32 [B, V] at each last prompt token, caches)."""
+  b, s = prompt.shape
+  caches = model.init_caches(b, cache_len)
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  out = model.forward(prompt, positions=positions, caches=caches, logits_at=lengths - 1)
+  return out.logits[:, 0], out.caches
+
+
+def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, caches: tuple
+            ) -> tuple[jax.Array, tuple]:
+  """tokens int32 [B] at positions [B] -> (next-token logits fp32 [B, V], caches)."""
+  out = model.forward(tokens[:, None], positions=positions[:, None], caches=caches)
+  return out.logits[:, 0], out.caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "cache_len"))
+def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, max_new_tokens: int,
+                  sampling: SamplingParams, cache_len: int):
+  """The whole generation loop (prefill + lax.while_loop of decode steps) as one XLA program."""
+  model = nnx.merge(graphdef, state)
+  b = prompt.shape[0]
+  logits, caches = _prefill(model, prompt, lengths, cache_len)
+
+  def cond(carry):
+    step, _, _, _, _, done, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    step, logits, caches, tokens, new_lengths, done, key = carry
+    key, sub = jax.random.split(key)
+    tok = jnp.where(done, pad_id, sample(logits, sub, sampling))
+    tokens = tokens.at[:, step].set(tok)
+    new_lengths = new_lengths + (~done).astype(jnp.int32)
+    done = done | jnp.isin(tok, eos_ids)
+    logits, caches = _decode(model, tok, lengths + step, caches)
+    return step + 1, logits, caches, tokens, new_lengths, done, key
+
+  init = (jnp.int32(0), logits, caches, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+          jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), key)
+  _, _, _, tokens, new_lengths, _, _ = jax.lax.while_loop(cond, body, init)
+  return tokens, new_lengths
+
+
+def generate(
+    model: M3ForCausalLM,
+    prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+) -> GenerateOutput:
+  """Generates up to ``max_new_tokens`` for each prompt in one jit-compiled program.
+
+  Args:
+    model: a loaded M3ForCausalLM.
+    prompt_ids: a list of token-id lists (lengths may differ) or an int array [B, S].
+    max_new_tokens: new tokens per sequence (the output width).
+    temperature, top_k, top_p, seed: sampling (temperature 0 = greedy); reproducible for a given seed.
+    eos_token_ids: stop tokens; None = the config's eos ids; () = never stop early.
+    pad_token_id: written after a sequence stops.
+    max_length: cache size in tokens (default: enough for the prompt bucket + max_new_tokens, capped by
+      max_position_embeddings). A prompt (+ max_new_tokens) that does not fit is an error before compute.
+
+  Returns:
+    GenerateOutput(tokens [B, max_new_tokens], lengths [B]).
+  """
+  sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  padded, lengths = pad_prompts(prompt_ids, pad_token_id)
+  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
+  eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+  eos_arr = jnp.asarray(list(eos) or [-1], jnp.int32)
+  graphdef, state = nnx.split(model)
+  tokens, new_lengths = _generate_jit(
+      graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), jax.random.key(seed), eos_arr,
+      jnp.int32(pad_token_id), max_new_tokens=max_new_tokens, sampling=sampling, cache_len=cache_len)
+  return GenerateOutput(tokens=np.asarray(tokens), lengths=np.asarray(new_lengths))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len"))
+def _prefill_jit(graphdef, state, prompt, lengths, *, cache_len: int):
+  return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("caches",))
+def _decode_jit(graphdef, state, logits, caches, positions, key, *, sampling: SamplingParams):
+  """Samples from ``logits`` and runs one decode step: -> (tokens [B], next logits [B, V], caches)."""
+  tok = sample(logits, key, sampling)
+  logits, caches = _decode(nnx.merge(graphdef, state), tok, positions, caches)
+  return tok, logits, caches
+
+
+def generate_stream(
+    model: M3ForCausalLM,
+    prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    max_length: int | None = None,
+) -> Iterator[np.ndarray]:
+  """Like ``generate``, yielding int32 tokens [B] as they are produced (jitted prefill + decode steps).
+
+  A sequence that has stopped yields -1. Same tokens as ``generate`` for the same arguments.
+  """
+  sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  padded, lengths = pad_prompts(prompt_ids)
+  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
+  eos = set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids)
+  graphdef, state = nnx.split(model)
+  logits, caches = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), cache_len=cache_len)
+  key = jax.random.key(seed)
+  done = np.zeros(len(lengths), bool)
+  for step in range(max_new_tokens):
+    key, sub = jax.random.split(key)
+    tok, logits, caches = _decode_jit(graphdef, state, logits, caches, jnp.asarray(lengths + step), sub,
+                                      sampling=sampling)
+    tok = np.asarray(tok)
+    out = np.where(done, -1, tok).astype(np.int32)
+    done |= np.isin(tok, list(eos))
+    yield out
+    if done.all():
+      return

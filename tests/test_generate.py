@@ -1,0 +1,133 @@
+"""Generation: cached decode == full forward, HF greedy parity, batching, compile reuse, sampling, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import m3jax
+from conftest import FIXTURES
+from m3jax.generate import _generate_jit, bucket_length, generate, generate_stream
+from m3jax.sampling import SamplingParams, sample
+
+HF_FIXTURES = ["legacy_b128", "flat_local2_b128", "flat_b16"]
+
+
+@pytest.fixture(scope="module")
+def models():
+  return {n: m3jax.load(FIXTURES / n / "checkpoint", kernels="reference") for n in HF_FIXTURES}
+
+
+def _prompts(name):
+  ref = np.load(FIXTURES / name / "reference.npz")
+  return ref, [ref["input_ids"][b, : ref["gen_prompt_lens"][b]].tolist() for b in range(2)]
+
+
+@pytest.mark.parametrize("name", HF_FIXTURES)
+def test_greedy_tokens_equal_hf_generate(models, name):
+  ref, prompts = _prompts(name)
+  out = generate(models[name], prompts, max_new_tokens=48, eos_token_ids=())
+  assert out.tokens.shape == (2, 48)
+  np.testing.assert_array_equal(out.tokens, ref["gen_tokens"])
+  np.testing.assert_array_equal(out.lengths, [48, 48])
+
+
+@pytest.mark.parametrize("name, prompt_len", [("legacy_b128", 240), ("flat_b16", 150)])
+def test_cached_decode_reproduces_full_forward_logits(models, name, prompt_len):
+  model = models[name]
+  cfg = model.config.text
+  prompt = np.load(FIXTURES / name / "reference.npz")["input_ids"][0, :prompt_len].tolist()
+  new = generate(model, [prompt], max_new_tokens=48, eos_token_ids=()).tokens[0].tolist()
+  total = len(prompt) + len(new)
+  # The selection must change during decode: the sequence crosses blocks and exceeds top_k x block_size.
+  assert total > cfg.index_topk_blocks * cfg.index_block_size
+  assert total // cfg.index_block_size > len(prompt) // cfg.index_block_size
+  caches = model.init_caches(1, 512)
+  pos = jnp.arange(total, dtype=jnp.int32)[None]
+  ids = jnp.asarray([prompt + new], jnp.int32)
+  out = model.forward(ids[:, : len(prompt)], positions=pos[:, : len(prompt)], caches=caches)
+  step_logits, caches = [out.logits[:, -1]], out.caches
+  decode = jax.jit(lambda t, p, c: model.forward(t, positions=p, caches=c))
+  for i in range(len(prompt), total - 1):
+    out = decode(ids[:, i:i + 1], pos[:, i:i + 1], caches)
+    step_logits.append(out.logits[:, 0])
+    caches = out.caches
+  full = model(ids)[0, len(prompt) - 1: total - 1]
+  got = jnp.concatenate(step_logits)
+  err = float(jnp.max(jnp.abs(got - full)) / jnp.max(jnp.abs(full)))
+  assert err <= 1e-4, err
+
+
+def test_batch_of_three_prompts_equals_each_alone(models):
+  model = models["flat_b16"]
+  ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"]
+  prompts = [ids[0, :150].tolist(), ids[1, :37].tolist(), ids[0, 60:141].tolist()]
+  batch = generate(model, prompts, max_new_tokens=24, eos_token_ids=())
+  for i, p in enumerate(prompts):
+    alone = generate(model, [p], max_new_tokens=24, eos_token_ids=())
+    np.testing.assert_array_equal(batch.tokens[i], alone.tokens[0])
+
+
+def test_prompts_in_the_same_bucket_compile_once(models):
+  model = models["flat_b16"]
+  ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"]
+  assert bucket_length(70) == bucket_length(100) == 128
+  generate(model, [ids[0, :70].tolist()], max_new_tokens=5)
+  before = _generate_jit._cache_size()
+  generate(model, [ids[1, :100].tolist()], max_new_tokens=5)
+  generate(model, [ids[0, 3:99].tolist()], max_new_tokens=5, seed=3)
+  assert _generate_jit._cache_size() == before
+  generate(model, [ids[0, :140].tolist()], max_new_tokens=5)  # next bucket: one more compile
+  assert _generate_jit._cache_size() == before + 1
+
+
+def test_stream_yields_the_same_tokens(models):
+  model = models["legacy_b128"]
+  _, prompts = _prompts("legacy_b128")
+  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=12, eos_token_ids=())), axis=1)
+  np.testing.assert_array_equal(streamed, generate(model, prompts, max_new_tokens=12, eos_token_ids=()).tokens)
+
+
+def test_eos_stops_a_sequence_and_pads(models):
+  model = models["flat_b16"]
+  ref, prompts = _prompts("flat_b16")
+  stop = int(ref["gen_tokens"][0, 5])
+  first = int(np.argmax(ref["gen_tokens"][0] == stop))  # first occurrence (<= 5)
+  out = generate(model, prompts, max_new_tokens=16, eos_token_ids=[stop], pad_token_id=0)
+  assert out.lengths[0] == first + 1
+  np.testing.assert_array_equal(out.tokens[0, : first + 1], ref["gen_tokens"][0, : first + 1])
+  assert (out.tokens[0, first + 1:] == 0).all()
+
+
+def test_sampling_is_seeded_and_reduces_to_greedy():
+  logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+  greedy = sample(logits, jax.random.key(1), SamplingParams())
+  np.testing.assert_array_equal(sample(logits, jax.random.key(1), SamplingParams(temperature=1.0, top_k=1)), greedy)
+  np.testing.assert_array_equal(sample(logits, jax.random.key(2), SamplingParams(temperature=1.0, top_p=1e-6)),
+                                greedy)
+  p = SamplingParams(temperature=1.0, top_k=10, top_p=0.9)
+  draws = [np.asarray(sample(logits, jax.random.key(s), p)) for s in range(20)]
+  np.testing.assert_array_equal(draws[0], np.asarray(sample(logits, jax.random.key(0), p)))
+  assert len({d.tobytes() for d in draws}) > 1
+  top10 = np.argsort(-np.asarray(logits), axis=-1)[:, :10]
+  assert all(d[r] in top10[r] for d in draws for r in range(4))
+
+
+def test_sampled_generation_is_reproducible(models):
+  model = models["flat_b16"]
+  _, prompts = _prompts("flat_b16")
+  a = generate(model, prompts, max_new_tokens=8, temperature=0.8, top_k=20, seed=7, eos_token_ids=())
+  b = generate(model, prompts, max_new_tokens=8, temperature=0.8, top_k=20, seed=7, eos_token_ids=())
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_too_long_requests_fail_before_compute(models):
+  model = models["flat_b16"]
+  with pytest.raises(ValueError, match="longer than the cache"):
+    generate(model, [[1] * 100], max_new_tokens=4, max_length=64)
+  with pytest.raises(ValueError, match="exceeds the cache"):
+    generate(model, [[1] * 60], max_new_tokens=10, max_length=64)
+  with pytest.raises(ValueError, match="at least one token"):
+    generate(model, [[1, 2], []], max_new_tokens=4)
+  with pytest.raises(ValueError, match="top_p"):
+    generate(model, [[1, 2]], max_new_tokens=4, temperature=1.0, top_p=1.5)
