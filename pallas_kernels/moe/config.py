@@ -14,8 +14,10 @@ class MoeBlockSizes:
   """Tiles of one grouped GEMM.
 
   block_m: rows per tile (tokens of one expert); 64 or 128 (one wgmma M=64 per 64 rows).
-  block_n: output columns per work item, split over two consumer warpgroups (block_n // 2 each).
-    For gate_up this is intermediate columns: the item loads block_n gate + block_n up columns.
+  block_n: output columns per work item. For gate_up these are intermediate columns: the item
+    loads block_n gate + block_n up weight columns.
+  wg_split: how the two consumer warpgroups share the [block_m, block_n] tile: "m" (block_m // 2
+    rows each; needs block_m=128) or "n" (block_n // 2 columns each).
   block_k: reduction step per pipeline stage (64 bf16 = one 128-byte swizzle row).
   max_concurrent_steps: TMA pipeline depth.
   """
@@ -24,6 +26,7 @@ class MoeBlockSizes:
   block_n: int = 128
   block_k: int = 64
   max_concurrent_steps: int = 4
+  wg_split: str = "m"
 
   def __post_init__(self):
     if self.block_m not in (64, 128):
@@ -32,13 +35,24 @@ class MoeBlockSizes:
       raise ValueError(f"block_n must be a power of two in [32, 512], got {self.block_n}")
     if self.block_k not in (32, 64):
       raise ValueError(f"block_k must be 32 or 64, got {self.block_k}")
+    if self.wg_split not in ("m", "n"):
+      raise ValueError(f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
+    if self.wg_split == "m" and self.block_m != 128:
+      raise ValueError(f"wg_split='m' needs block_m=128, got {self.block_m}")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+
+  def wg_tile(self) -> tuple[int, int]:
+    """(rows, cols) of the output tile owned by one consumer warpgroup."""
+    if self.wg_split == "m":
+      return self.block_m // 2, self.block_n
+    return self.block_m, self.block_n // 2
 
   def smem_bytes(self, n_parts: int, itemsize: int = 2, out_itemsize: int = 2) -> int:
     """Shared memory of one CTA: pipeline stages plus the epilogue staging tile."""
     stage = (self.block_m * self.block_k + n_parts * self.block_k * self.block_n) * itemsize
-    epilogue = 2 * self.block_m * min(self.block_n // 2, 64) * out_itemsize  # 2 consumer WGs
+    wg_m, wg_n = self.wg_tile()
+    epilogue = 2 * wg_m * min(wg_n, 64) * out_itemsize  # 2 consumer WGs
     return stage * self.max_concurrent_steps + epilogue
 
 
@@ -53,10 +67,10 @@ def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int) -> tupl
   """
   del num_experts
   if num_tokens <= 64:
-    gate_up = MoeBlockSizes(block_m=64, block_n=128, block_k=64, max_concurrent_steps=5)
-    down = MoeBlockSizes(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5)
-  else:
-    gate_up = MoeBlockSizes(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
-    down = MoeBlockSizes(block_m=128, block_n=256, block_k=64, max_concurrent_steps=4)
+    gate_up = MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=5, wg_split="n")
+    down = MoeBlockSizes(block_m=64, block_n=256, max_concurrent_steps=5, wg_split="n")
+  else:  # each consumer WG: 64 rows x (128 gate + 128 up) / 64 rows x 256 cols
+    gate_up = MoeBlockSizes(block_m=128, block_n=128, max_concurrent_steps=4, wg_split="m")
+    down = MoeBlockSizes(block_m=128, block_n=256, max_concurrent_steps=4, wg_split="m")
   del top_k
   return gate_up, down

@@ -13,7 +13,9 @@ so the shared expert runs in the same persistent launch. ``meta[0]`` is the numb
 the persistent grid walks ``meta[0] * (N // block_n)`` work items (m-tile major) and never touches
 dead tiles, so decode reads each touched expert's weights once per n-tile, i.e. exactly once.
 
-Three warpgroups per CTA: one TMA producer and two wgmma consumers that split ``block_n`` in half.
+Three warpgroups per CTA: one TMA producer and two wgmma consumers that split the CTA tile by rows
+(``wg_split="m"``: 64 rows each, full-width wgmma N for fewer SMEM reads per FLOP) or by columns
+(``wg_split="n"``: decode tiles of 64 rows).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _grouped_kernel(
   """Kernel body; see the module docstring. Runs on a ("sm",) grid with a "wg" thread axis."""
   ws_gmem, out_gmem = (rest if len(rest) == 2 else (None, rest[0]))
   bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-  wg_bn = bn // _NUM_COMPUTE_WGS
+  wg_bm, wg_bn = bs.wg_tile()
   epi_n = min(wg_bn, _EPI_N)
   num_experts = w_gmem.shape[0]
   k = lhs_gmem.shape[1]
@@ -99,12 +101,16 @@ def _grouped_kernel(
   @functools.partial(
       pl.run_scoped,
       allocs=make_pipeline(ignore, ignore).get_allocations(*alloc_refs),
-      out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bm, epi_n), out_dtype, transforms=out_transforms),
+      out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, wg_bm, epi_n), out_dtype, transforms=out_transforms),
       collective_axes="wg",
   )
   def _scope(allocs, out_smem):
     wg = lax.axis_index("wg")
-    wg_cols = pl.ds(wg * wg_bn, wg_bn)
+    m_split = bs.wg_split == "m"
+    wg_row0 = wg * wg_bm if m_split else 0  # this WG's rows / cols inside the CTA tile
+    wg_col0 = 0 if m_split else wg * wg_bn
+    wg_rows = pl.ds(wg_row0, wg_bm)
+    wg_cols = pl.ds(wg_col0, wg_bn)
     num_live_tiles = meta_gmem[0]
 
     @plgpu.nd_loop((num_live_tiles * n_tiles,), collective_axes="sm")
@@ -116,7 +122,7 @@ def _grouped_kernel(
       rows = pl.ds(mi * bm, bm)
 
       def compute_context(run_pipeline):
-        accs = [plgpu.ACC((bm, wg_bn), jnp.float32) for _ in range(n_parts)]
+        accs = [plgpu.ACC((wg_bm, wg_bn), jnp.float32) for _ in range(n_parts)]
 
         def _acc_scope(*acc_refs):
           run_pipeline(tuple(acc_refs))
@@ -125,19 +131,20 @@ def _grouped_kernel(
           else:
             y = acc_refs[0][...]
           y = y.astype(out_dtype)
-          for c in range(wg_bn // epi_n):  # stage through SMEM in [bm, epi_n] chunks
+          out_rows = pl.ds(mi * bm + wg_row0, wg_bm)
+          for c in range(wg_bn // epi_n):  # stage through SMEM in [wg_bm, epi_n] chunks
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this WG's previous store read SMEM
             out_smem[wg] = y[:, c * epi_n:(c + 1) * epi_n]
             plgpu.commit_smem()
-            col0 = ni * bn + wg * wg_bn + c * epi_n
-            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[rows, pl.ds(col0, epi_n)])
+            col0 = ni * bn + wg_col0 + c * epi_n
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[out_rows, pl.ds(col0, epi_n)])
 
         pl.run_scoped(_acc_scope, *accs)
 
       def mma_body(_, lhs_smem, *rest_refs):
         *w_smems, acc_refs = rest_refs
         for acc_ref, w_smem in zip(acc_refs, w_smems):
-          plgpu.wgmma(acc_ref, lhs_smem, w_smem.at[:, wg_cols])
+          plgpu.wgmma(acc_ref, lhs_smem.at[wg_rows], w_smem.at[:, wg_cols])
         plgpu.wgmma_wait(0)
         return acc_refs
 
@@ -201,6 +208,10 @@ def grouped_matmul(
   if (epilogue == "swiglu") != (n_parts == 2):
     raise ValueError(f"{epilogue=} needs n_parts=2, got {n_parts=}")
   check_grouped_shapes(lhs.shape, w.shape, n_parts, block_sizes)
+  wg_bm, wg_bn = block_sizes.wg_tile()
+  if n_parts * wg_bm * wg_bn > 128 * 128:
+    raise ValueError(f"{block_sizes}: {n_parts} fp32 accumulators of {wg_bm}x{wg_bn} per warpgroup "
+                     "exceed 128 registers per thread")
   m_pad = lhs.shape[0]
   n = w.shape[2] // n_parts
   operands = [meta, lhs, w] + ([] if w_shared is None else [w_shared.astype(lhs.dtype)])

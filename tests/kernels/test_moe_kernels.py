@@ -16,8 +16,12 @@ from pallas_kernels.moe.dispatch import build_dispatch, max_routed_tiles
 
 _KW = dict(routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
 _SMALL_TILES = (
-    MoeBlockSizes(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2),
-    MoeBlockSizes(block_m=64, block_n=128, block_k=64, max_concurrent_steps=3),
+    MoeBlockSizes(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2, wg_split="n"),
+    MoeBlockSizes(block_m=64, block_n=128, block_k=64, max_concurrent_steps=3, wg_split="n"),
+)
+_PREFILL_TILES = (  # prefill layout: 128-row tiles, warpgroups split rows
+    MoeBlockSizes(block_m=128, block_n=128, max_concurrent_steps=2, wg_split="m"),
+    MoeBlockSizes(block_m=128, block_n=128, max_concurrent_steps=2, wg_split="m"),
 )
 
 
@@ -90,6 +94,14 @@ def test_moe_block_matches_reference(mode, dtype, name, t, e, top_k, force):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_prefill_tiles_row_split(mode, dtype):
+  # 300 assignments over 4 experts: several 128-row tiles per expert, ragged last tiles.
+  args = _make(150, 128, 128, 4, 128, dtype, seed=5)
+  _check(args, 2, mode, block_sizes=_PREFILL_TILES)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_unfused_shared_expert_wider_than_routed(mode):
   # Is != I: the shared expert runs as a one-expert grouped GEMM beside the routed one.
   args = _make(9, 128, 128, 8, 256, jnp.bfloat16, seed=3)
@@ -126,7 +138,7 @@ def test_input_validation():
   with pytest.raises(ValueError, match="top_k"):
     moe_block(*args, top_k=9, **_KW, interpret=True)
   with pytest.raises(ValueError, match="block_m"):
-    bad = (MoeBlockSizes(block_m=64), MoeBlockSizes(block_m=128))
+    bad = (MoeBlockSizes(block_m=64, wg_split="n"), MoeBlockSizes(block_m=128))
     moe_block(*args, top_k=2, **_KW, interpret=True, block_sizes=bad)
   with pytest.raises(NotImplementedError):  # quantized weights
     moe_block(*args[:3], args[3].astype(jnp.int8), *args[4:], top_k=2, **_KW, interpret=True)

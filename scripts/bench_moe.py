@@ -1,0 +1,275 @@
+"""Benchmark + on-GPU check of pallas_kernels.moe.moe_block at MiniMax-M3 dims.
+
+  PYTHONPATH=$PWD python3 scripts/bench_moe.py --out /tmp/moe_bench.json
+
+Prefill rows: whole-block effective TFLOP/s (routed 6*T*K*H*I + shared 6*T*H*Is + router 2*T*H*E)
+for the kernel and the pure-XLA reference, and the gate_up GEMM alone (2*T*K*H*2I FLOPs, rows
+sorted by expert) for this kernel (fused SwiGLU), lax.ragged_dot and jax's ragged_dot_mgpu.
+Decode rows: effective TB/s over the expert weights actually touched (distinct routed experts + the
+shared expert, 3*H*I bf16 each). Times are wall-clock medians of back-to-back jitted calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.moe import MoeBlockSizes, heuristic_block_sizes, moe_block, moe_block_reference
+from pallas_kernels.moe.dispatch import build_dispatch
+from pallas_kernels.moe.kernel_sm90 import grouped_matmul
+from pallas_kernels.moe.reference import route_reference
+
+H, I, E, IS, TOP_K = 6144, 3072, 128, 3072, 4
+KW = dict(top_k=TOP_K, routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def num_sms() -> int:
+  return getattr(jax.devices()[0], "core_count", 3) if jax.default_backend() == "gpu" else 3
+
+
+def make_weights(key):
+  """Random bf16 expert weights at M3 dims; router fp32 (logits ~ N(0, 1): balanced routing)."""
+  ks = jax.random.split(key, 6)
+  n = lambda k, shape, scale, dt=jnp.bfloat16: (jax.random.normal(k, shape, dt) * scale).astype(dt)
+  return dict(
+      router_w=n(ks[0], (H, E), H ** -0.5, jnp.float32),
+      correction_bias=n(ks[1], (E,), 0.01, jnp.float32),
+      w_gate_up=n(ks[2], (E, H, 2 * I), H ** -0.5), w_down=n(ks[3], (E, I, H), I ** -0.5),
+      shared_gate_up=n(ks[4], (H, 2 * IS), H ** -0.5), shared_down=n(ks[5], (IS, H), IS ** -0.5),
+  )
+
+
+def block_args(x, w, bias=None):
+  return (x, w["router_w"], w["correction_bias"] if bias is None else bias, w["w_gate_up"],
+          w["w_down"], w["shared_gate_up"], w["shared_down"])
+
+
+def timeit(f, *args, reps: int = 10, rounds: int = 5) -> float:
+  """Median seconds per call over `rounds` rounds of `reps` back-to-back calls (after warm-up)."""
+  jax.block_until_ready(f(*args))
+  jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / reps)
+  return statistics.median(times)
+
+
+def rel_err(out, ref) -> tuple[float, float]:
+  out = np.asarray(out.astype(jnp.float32), np.float64)
+  ref = np.asarray(ref.astype(jnp.float32), np.float64)
+  if not np.isfinite(out).all():
+    return float("nan"), float("nan")
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref)), float(np.abs(out - ref).max())
+
+
+def block_flops(t: int) -> float:
+  return 6.0 * t * TOP_K * H * I + 6.0 * t * H * IS + 2.0 * t * H * E
+
+
+def safe(results, key, fn):
+  """Runs fn(); stores its value or the error under results[key]."""
+  try:
+    results[key] = fn()
+  except Exception as e:  # noqa: BLE001 - a failing variant must not stop the sweep
+    results[key] = f"ERROR {type(e).__name__}: {str(e)[:300]}"
+    traceback.print_exc()
+  print(f"  {key}: {results[key]}", flush=True)
+  return results[key]
+
+
+def sorted_rows(x, w):
+  """x rows sorted by routed expert ([T*K, H]) and int32 group sizes [E] (for the GEMM-alone rows)."""
+  _, ids, _ = route_reference(x, w["router_w"], w["correction_bias"], top_k=TOP_K)
+  flat = ids.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  return x[order // TOP_K], jnp.bincount(flat, length=E).astype(jnp.int32), ids
+
+
+def bench_prefill(t: int, w, key, args) -> dict:
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=g-import-not-at-top
+
+  r: dict = {"T": t}
+  x = jax.random.normal(key, (t, H), jnp.bfloat16)
+  a = block_args(x, w)
+  if t <= args.check_max_t:
+    safe(r, "check_rel_err,max_abs", lambda: rel_err(moe_block(*a, **KW), moe_block_reference(*a, **KW)))
+  fl = block_flops(t)
+  safe(r, "kernel_ms", lambda: 1e3 * timeit(functools.partial(moe_block, **KW), *a, reps=args.reps))
+  safe(r, "reference_ms", lambda: 1e3 * timeit(functools.partial(moe_block_reference, **KW), *a,
+                                               reps=max(1, args.reps // 2)))
+  for k in ("kernel", "reference"):
+    if isinstance(r.get(f"{k}_ms"), float):
+      r[f"{k}_tflops"] = fl / (r[f"{k}_ms"] * 1e-3) / 1e12
+  if args.variants and t == 8192:
+    alts = {
+        "n-split st4": (MoeBlockSizes(block_m=128, block_n=128, wg_split="n"),
+                        MoeBlockSizes(block_m=128, block_n=256, wg_split="n")),
+        "m-split st3": (MoeBlockSizes(block_m=128, block_n=128, max_concurrent_steps=3),
+                        MoeBlockSizes(block_m=128, block_n=256, max_concurrent_steps=3)),
+        "m-split down bn128": (MoeBlockSizes(block_m=128, block_n=128),
+                               MoeBlockSizes(block_m=128, block_n=128)),
+    }
+    for tag, bs in alts.items():
+      safe(r, f"variant {tag} TFLOP/s", lambda bs=bs: fl / timeit(
+          functools.partial(moe_block, **KW, block_sizes=bs), *a, reps=args.reps) / 1e12)
+  # gate_up GEMM alone on expert-sorted rows.
+  xs, gs, ids = jax.jit(sorted_rows)(x, w)
+  gflops = 2.0 * t * TOP_K * H * 2 * I
+  wgu = w["w_gate_up"]
+  bs_gu, _ = heuristic_block_sizes(t, TOP_K, E)
+  d = build_dispatch(ids, num_experts=E, block_m=bs_gu.block_m, fuse_shared=False)
+  xs_pad = jax.jit(lambda x, rt: x[rt])(x, d.row_token)
+  ours = jax.jit(functools.partial(grouped_matmul, n_parts=2, epilogue="swiglu",
+                                   out_dtype=jnp.bfloat16, block_sizes=bs_gu, num_sms=num_sms()))
+  safe(r, "gu_kernel_ms", lambda: 1e3 * timeit(lambda m, l, ww: ours(m, l, ww, None), d.meta,
+                                               xs_pad, wgu, reps=args.reps))
+  safe(r, "gu_lax_ragged_dot_ms", lambda: 1e3 * timeit(jax.jit(jax.lax.ragged_dot), xs, wgu, gs,
+                                                       reps=args.reps))
+  for cfg in ((128, 128, 64, 4, 1), (128, 128, 64, 4, 8)):
+    bm, bn, bk, st, gbn = cfg
+    f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, block_m=bm, block_n=bn, block_k=bk,
+                                  max_concurrent_steps=st, grid_block_n=gbn))
+    safe(r, f"gu_ragged_dot_mgpu{cfg}_ms",
+         lambda f=f: 1e3 * timeit(lambda a_, b_, g_: f(a_, b_, group_sizes=g_), xs, wgu, gs,
+                                  reps=args.reps))
+  for k in list(r):
+    if k.startswith("gu_") and isinstance(r[k], float):
+      r[k.replace("_ms", "_tflops")] = gflops / (r[k] * 1e-3) / 1e12
+  return r
+
+
+def bench_decode(t: int, w, key, args, block_sizes=None, tag="") -> dict:
+  r: dict = {"T": t, "tiles": tag or "heuristic"}
+  x = jax.random.normal(key, (t, H), jnp.bfloat16)
+  a = block_args(x, w)
+  _, ids, _ = route_reference(x, w["router_w"], w["correction_bias"], top_k=TOP_K)
+  touched = int(len(np.unique(np.asarray(ids))))
+  nbytes = (touched + 1) * 3 * H * I * 2  # routed experts touched + shared expert, bf16
+  r.update(touched_experts=touched, weight_gb=nbytes / 1e9)
+  kw = dict(KW, block_sizes=block_sizes)
+  if not tag:
+    safe(r, "check_rel_err,max_abs", lambda: rel_err(moe_block(*a, **kw), moe_block_reference(*a, **KW)))
+  safe(r, "kernel_ms", lambda: 1e3 * timeit(functools.partial(moe_block, **kw), *a, reps=args.reps * 3))
+  if not tag:
+    safe(r, "reference_ms", lambda: 1e3 * timeit(functools.partial(moe_block_reference, **KW), *a,
+                                                 reps=args.reps * 3))
+  for k in ("kernel", "reference"):
+    if isinstance(r.get(f"{k}_ms"), float):
+      r[f"{k}_TBps"] = nbytes / (r[f"{k}_ms"] * 1e-3) / 1e12
+  return r
+
+
+def edge_checks(w, key) -> dict:
+  """GPU correctness at M3 dims: all tokens on the same 4 experts (rest empty), T not a tile multiple."""
+  r: dict = {}
+  bias = jnp.zeros((E,), jnp.float32).at[jnp.array([3, 77, 100, 127])].set(50.0)
+  for t in (1, 1000):
+    x = jax.random.normal(key, (t, H), jnp.bfloat16)
+    a = block_args(x, w, bias)
+    safe(r, f"forced4_T{t}_rel_err,max_abs", lambda a=a: rel_err(moe_block(*a, **KW),
+                                                                 moe_block_reference(*a, **KW)))
+  x = jax.random.normal(key, (77, H), jnp.bfloat16)
+  a = block_args(x, w)
+  safe(r, "unfused_shared_T77_rel_err,max_abs",
+       lambda: rel_err(moe_block(*a, **KW, fuse_shared=False), moe_block_reference(*a, **KW)))
+  return r
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--prefill", default="4096,8192,16384,32768")
+  p.add_argument("--decode", default="1,8,32,64")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--check-max-t", type=int, default=8192)
+  p.add_argument("--variants", action="store_true", help="also time alternative decode tiles")
+  p.add_argument("--no-edge", action="store_true")
+  p.add_argument("--out", default=None)
+  p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, GPU interpreter")
+  args = p.parse_args()
+  if args.tiny:
+    global H, I, E, IS
+    H, I, E, IS = 256, 128, 8, 128
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+    with plgpu.force_gpu_interpret_mode():
+      return run(args)
+  return run(args)
+
+
+def run(args):
+  print(jax.devices(), flush=True)
+  key = jax.random.key(0)
+  w = make_weights(key)
+  jax.block_until_ready(w)
+  res = {"device": str(jax.devices()[0].device_kind), "edge": {}, "prefill": [], "decode": []}
+
+  def dump():
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+
+  if not args.no_edge:
+    print("== edge checks", flush=True)
+    res["edge"] = edge_checks(w, jax.random.key(7))
+    dump()
+  for t in [int(v) for v in args.decode.split(",") if v]:
+    print(f"== decode T={t}", flush=True)
+    res["decode"].append(bench_decode(t, w, jax.random.key(t), args))
+    dump()
+    if args.variants and t in (1, 64):
+      for st in (4, 6):
+        bs = (MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=st),
+              MoeBlockSizes(block_m=64, block_n=256, max_concurrent_steps=st))
+        res["decode"].append(bench_decode(t, w, jax.random.key(t), args, bs, tag=f"bm64 st{st}"))
+        dump()
+  for t in [int(v) for v in args.prefill.split(",") if v]:
+    print(f"== prefill T={t}", flush=True)
+    res["prefill"].append(bench_prefill(t, w, jax.random.key(t), args))
+    dump()
+  print(summarize(res))
+
+
+def _f(v, fmt="{:.1f}"):
+  return fmt.format(v) if isinstance(v, float) else "-"
+
+
+def summarize(res) -> str:
+  """Markdown tables of the measured numbers."""
+  lines = [f"device: {res['device']}", "", "edge checks (rel L2 err, max abs) vs reference:"]
+  lines += [f"  {k}: {v}" for k, v in res["edge"].items()]
+  lines += ["", "| decode T | tiles | touched experts (+shared) | GB | kernel ms | kernel TB/s | "
+            "reference ms | reference TB/s | check (rel err, max abs) |", "|" + "---|" * 9]
+  for r in res["decode"]:
+    lines.append(
+        f"| {r['T']} | {r['tiles']} | {r['touched_experts']}+1 | {r['weight_gb']:.2f} | "
+        f"{_f(r.get('kernel_ms'), '{:.3f}')} | {_f(r.get('kernel_TBps'), '{:.2f}')} | "
+        f"{_f(r.get('reference_ms'), '{:.3f}')} | {_f(r.get('reference_TBps'), '{:.2f}')} | "
+        f"{r.get('check_rel_err,max_abs', '-')} |")
+  lines += ["", "| prefill T | block kernel ms | block kernel TFLOP/s | block reference ms | "
+            "block reference TFLOP/s | gate_up: kernel (fused act) | lax.ragged_dot | ragged_dot_mgpu "
+            "(best cfg) | check (rel err, max abs) |", "|" + "---|" * 9]
+  for r in res["prefill"]:
+    mg = [v for k, v in r.items() if k.startswith("gu_ragged_dot_mgpu") and k.endswith("_tflops")]
+    lines.append(
+        f"| {r['T']} | {_f(r.get('kernel_ms'))} | {_f(r.get('kernel_tflops'))} | "
+        f"{_f(r.get('reference_ms'))} | {_f(r.get('reference_tflops'))} | "
+        f"{_f(r.get('gu_kernel_tflops'))} | {_f(r.get('gu_lax_ragged_dot_tflops'))} | "
+        f"{_f(max(mg) if mg else None)} | {r.get('check_rel_err,max_abs', '-')} |")
+  for r in res["prefill"]:
+    lines += [f"  T={r['T']} {k}: {_f(v)}" for k, v in r.items() if k.startswith("variant")]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()
