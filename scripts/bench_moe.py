@@ -118,8 +118,6 @@ def bench_prefill(t: int, w, key, args) -> dict:
                         MoeBlockSizes(block_m=128, block_n=256, wg_split="n")),
         "m-split st3": (MoeBlockSizes(block_m=128, block_n=128, max_concurrent_steps=3),
                         MoeBlockSizes(block_m=128, block_n=256, max_concurrent_steps=3)),
-        "m-split down bn128": (MoeBlockSizes(block_m=128, block_n=128),
-                               MoeBlockSizes(block_m=128, block_n=128)),
     }
     for tag, bs in alts.items():
       safe(r, f"variant {tag} TFLOP/s", lambda bs=bs: fl / timeit(
@@ -227,12 +225,11 @@ def run(args):
     print(f"== decode T={t}", flush=True)
     res["decode"].append(bench_decode(t, w, jax.random.key(t), args))
     dump()
-    if args.variants and t in (1, 64):
-      for st in (4, 6):
-        bs = (MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=st),
-              MoeBlockSizes(block_m=64, block_n=256, max_concurrent_steps=st))
-        res["decode"].append(bench_decode(t, w, jax.random.key(t), args, bs, tag=f"bm64 st{st}"))
-        dump()
+    if args.variants and t == 64:
+      bs = (MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=6, wg_split="n"),
+            MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=6, wg_split="n"))
+      res["decode"].append(bench_decode(t, w, jax.random.key(t), args, bs, tag="bn128/128 st6"))
+      dump()
   for t in [int(v) for v in args.prefill.split(",") if v]:
     print(f"== prefill T={t}", flush=True)
     res["prefill"].append(bench_prefill(t, w, jax.random.key(t), args))
