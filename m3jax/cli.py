@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `m3jax --help` lists them.
-COMMANDS = ("forward",)
+COMMANDS = ("demo", "generate", "forward")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -188,17 +189,23 @@ def generate_stream(
     seed: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     max_length: int | None = None,
+    timings: dict[str, float] | None = None,
 ) -> Iterator[np.ndarray]:
   """Like ``generate``, yielding int32 tokens [B] as they are produced (jitted prefill + decode steps).
 
-  A sequence that has stopped yields -1. Same tokens as ``generate`` for the same arguments.
+  A sequence that has stopped yields -1. Same tokens as ``generate`` for the same arguments. If
+  ``timings`` is given it receives 'prefill_s' (prefill wall time, compile included on a first call).
   """
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   padded, lengths = pad_prompts(prompt_ids)
   cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
   eos = set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids)
   graphdef, state = nnx.split(model)
+  start = time.perf_counter()
   logits, caches = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), cache_len=cache_len)
+  if timings is not None:
+    logits.block_until_ready()
+    timings["prefill_s"] = time.perf_counter() - start
   key = jax.random.key(seed)
   done = np.zeros(len(lengths), bool)
   for step in range(max_new_tokens):

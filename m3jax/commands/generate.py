@@ -1,0 +1,84 @@
+"""``m3jax generate``: stream a completion from a checkpoint; throughput figures on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+  p = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)")
+  p.add_argument("checkpoint", help="checkpoint directory (safetensors or converted)")
+  add_generation_arguments(p)
+  p.set_defaults(func=run)
+
+
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+  group = p.add_mutually_exclusive_group()
+  group.add_argument("--prompt", help="prompt text (tokenised with the checkpoint's tokenizer.json)")
+  group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  p.add_argument("--top-k", type=int, default=None)
+  p.add_argument("--top-p", type=float, default=None)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+  p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
+
+
+def run(args: argparse.Namespace) -> int:
+  import m3jax  # pylint: disable=g-import-not-at-top
+  from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import generate_stream  # pylint: disable=g-import-not-at-top
+
+  if args.prompt is None and args.prompt_ids is None:
+    raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
+  model = m3jax.load(args.checkpoint, kernels=args.kernels)
+  tokenizer = None
+  if args.prompt is not None:
+    tokenizer = tok_lib.load_tokenizer(args.checkpoint)
+    text = tok_lib.render_chat(args.checkpoint, args.prompt) if args.chat else args.prompt
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+  else:
+    if args.chat:
+      raise ValueError("--chat needs --prompt TEXT")
+    ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    try:
+      tokenizer = tok_lib.load_tokenizer(args.checkpoint)
+    except FileNotFoundError:
+      tokenizer = None
+  eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
+  timings: dict[str, float] = {}
+  start = time.perf_counter()
+  first_token_at = None
+  new_ids: list[int] = []
+  printed = ""
+  for step_tokens in generate_stream(model, [ids], max_new_tokens=args.max_new_tokens,
+                                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                     seed=args.seed, eos_token_ids=eos, timings=timings):
+    if first_token_at is None:
+      first_token_at = time.perf_counter()
+    token = int(step_tokens[0])
+    if token < 0:
+      break
+    new_ids.append(token)
+    if tokenizer is None:
+      sys.stdout.write(f"{token} ")
+    else:
+      text = tokenizer.decode(new_ids, skip_special_tokens=False)
+      sys.stdout.write(text[len(printed):])
+      printed = text
+    sys.stdout.flush()
+  end = time.perf_counter()
+  sys.stdout.write("\n")
+  sys.stdout.flush()
+  prefill_s = timings.get("prefill_s", float("nan"))
+  ttft = (first_token_at or end) - start
+  decode_tokens = max(len(new_ids) - 1, 0)
+  decode_s = end - (first_token_at or end)
+  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(new_ids)}; time to first token {ttft:.3f}s; "
+        f"prefill {len(ids) / prefill_s:.1f} tok/s ({prefill_s:.3f}s); decode "
+        f"{decode_tokens / decode_s if decode_s > 0 else float('nan'):.1f} tok/s "
+        f"(first call includes compilation)", file=sys.stderr)
+  return 0

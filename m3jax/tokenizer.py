@@ -1,0 +1,53 @@
+"""Tokenizer, chat template and stop tokens of a checkpoint directory (``tokenizers`` + jinja2)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers import Tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+  """The checkpoint's tokenizer.json (real M3 checkpoints ship one)."""
+  file = os.path.join(os.fspath(path), "tokenizer.json")
+  if not os.path.exists(file):
+    raise FileNotFoundError(f"{file}: no tokenizer.json; pass token ids with --prompt-ids instead")
+  return Tokenizer.from_file(file)
+
+
+def _read_json(path: str | os.PathLike, name: str) -> dict[str, Any]:
+  file = os.path.join(os.fspath(path), name)
+  if not os.path.exists(file):
+    return {}
+  with open(file) as f:
+    return json.load(f)
+
+
+def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
+  """eos_token_id from generation_config.json (int or list), () if absent."""
+  eos = _read_json(path, "generation_config.json").get("eos_token_id")
+  if eos is None:
+    return ()
+  return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+
+
+def render_chat(path: str | os.PathLike, user_message: str) -> str:
+  """Applies tokenizer_config.json's chat_template to one user turn, with the generation prompt."""
+  import jinja2  # pylint: disable=g-import-not-at-top
+  from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
+
+  cfg = _read_json(path, "tokenizer_config.json")
+  template = cfg.get("chat_template")
+  if template is None and os.path.exists(os.path.join(os.fspath(path), "chat_template.jinja")):
+    with open(os.path.join(os.fspath(path), "chat_template.jinja")) as f:
+      template = f.read()
+  if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+    template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+  if not template:
+    raise ValueError(f"{path}: --chat needs a chat_template in tokenizer_config.json (or chat_template.jinja)")
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
+  return env.from_string(template).render(
+      messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
+      bos_token=cfg.get("bos_token") or "", eos_token=cfg.get("eos_token") or "")

@@ -1,0 +1,62 @@
+"""The m3jax CLI end to end: demo (build + stream), generate with ids and text, forward, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from m3jax import cli
+from m3jax.demo import build_demo_checkpoint
+from m3jax.tokenizer import load_tokenizer, render_chat
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+  return build_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny")
+
+
+def test_demo_checkpoint_is_original_layout_with_tokenizer(demo_dir):
+  index = json.loads(open(f"{demo_dir}/config.json").read())
+  assert index["text_config"]["vocab_size"] == load_tokenizer(demo_dir).get_vocab_size()
+  from m3jax.checkpoint.safetensors_dir import SafetensorsDir
+  names = SafetensorsDir(demo_dir).keys()
+  assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+  assert render_chat(demo_dir, "hi").startswith("<bos><user>hi<assistant>")
+
+
+def test_demo_command_streams_text(capsys, tmp_path):
+  assert cli.main(["demo", "--out", str(tmp_path / "d"), "--max-new-tokens", "8"]) == 0
+  out, err = capsys.readouterr()
+  assert "wrote a tiny M3 checkpoint" in out
+  assert "generated 8" in err and "time to first token" in err and "decode" in err
+
+
+def test_generate_with_prompt_ids_matches_the_library(capsys):
+  ckpt = FIXTURES / "flat_b16" / "checkpoint"
+  ref = np.load(FIXTURES / "flat_b16" / "reference.npz")
+  prompt = ref["input_ids"][0, :ref["gen_prompt_lens"][0]].tolist()
+  assert cli.main(["generate", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "10",
+                   "--kernels", "reference"]) == 0
+  out, _ = capsys.readouterr()
+  assert [int(t) for t in out.split()] == ref["gen_tokens"][0, :10].tolist()
+
+
+def test_generate_with_text_and_chat(capsys, demo_dir):
+  assert cli.main(["generate", str(demo_dir), "--prompt", "Hello", "--chat", "--max-new-tokens", "5",
+                   "--temperature", "0.7", "--top-p", "0.9", "--seed", "1"]) == 0
+  _, err = capsys.readouterr()
+  ids = load_tokenizer(demo_dir).encode(render_chat(demo_dir, "Hello"), add_special_tokens=False).ids
+  specials = [load_tokenizer(demo_dir).token_to_id(t) for t in ("<bos>", "<user>", "<assistant>")]
+  assert ids[:2] == specials[:2] and ids[-1] == specials[2]
+  assert f"prompt {len(ids)} tokens" in err
+
+
+def test_cli_errors_are_one_clear_line(capsys, tmp_path):
+  assert cli.main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
+  assert "no config.json" in capsys.readouterr().err
+  ckpt = FIXTURES / "flat_b16" / "checkpoint"
+  assert cli.main(["generate", str(ckpt), "--prompt", "hi"]) == 2
+  assert "no tokenizer.json" in capsys.readouterr().err
+  assert cli.main(["forward", str(ckpt), "--prompt-ids", "1,2,9999"]) == 2
+  assert "outside [0, 256)" in capsys.readouterr().err
