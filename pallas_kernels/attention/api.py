@@ -1,0 +1,204 @@
+"""Public attention ops: block-sparse GQA (`sparse_attention`) and dense causal GQA (`causal_attention`).
+
+Same signatures and semantics as reference.py (plus `interpret` and tuning arguments). Both run the
+block-list kernel of kernel_sm90.py; causal_attention first tries cuDNN's fused attention when the
+queries are a plain prefill (Sq == Sk and q_positions == arange, checked at run time with lax.cond).
+
+dtypes: bf16/f16 (fp32 softmax and accumulation, P rounded to the input dtype before P.V, like the
+reference). Other dtypes, block_size != 128, head dim not in {64, 128} or heads per group not a
+multiple of 8 (or > 64) raise NotImplementedError so a caller can fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, SparseAttentionBlockSizes
+from pallas_kernels.attention.config import heuristic_block_sizes
+from pallas_kernels.attention.kernel_sm90 import attention_pallas
+from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
+
+_NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check_qkv(q, k, v, q_positions):
+  """ValueError for inconsistent inputs, NotImplementedError for what the kernel does not cover."""
+  if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+    raise ValueError(f"q must be [B, Sq, Nq, D] and k, v equal [B, Sk, Nkv, D]; got {q.shape}, {k.shape}, {v.shape}")
+  b, sq, nq, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d or k.shape[1] == 0:
+    raise ValueError(f"k/v {k.shape} do not match q {q.shape}")
+  if nq % k.shape[2]:
+    raise ValueError(f"query heads {nq} must be a multiple of KV heads {k.shape[2]}")
+  if q_positions.shape != (b, sq) or not jnp.issubdtype(q_positions.dtype, jnp.integer):
+    raise ValueError(f"q_positions must be int [B={b}, Sq={sq}], got {q_positions.dtype}{q_positions.shape}")
+  if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _NATIVE:
+    raise NotImplementedError(f"attention kernel supports bf16/f16 q/k/v of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}")
+  if d not in (64, 128):
+    raise NotImplementedError(f"attention kernel supports head dim 64 or 128, got {d}")
+  hpg = nq // k.shape[2]
+  if hpg % 8 or hpg > ROWS_PER_TILE:
+    raise NotImplementedError(f"attention kernel needs heads per KV group in {{8, 16, .., 64}}, got {hpg}")
+
+
+def _interpret_params(interpret: Any) -> Any:
+  if interpret is True:
+    return plgpu.InterpretGPUParams()
+  return interpret or False
+
+
+def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> SparseAttentionBlockSizes:
+  qpt = max(1, min(bs.queries_per_tile, ROWS_PER_TILE // hpg))
+  stages = bs.kv_stages
+  while stages > 1 and SparseAttentionBlockSizes(kv_stages=stages).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
+    stages -= 1
+  return SparseAttentionBlockSizes(queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits)
+
+
+def _pad_keys(k, v):
+  sk = k.shape[1]
+  if sk % KEY_BLOCK == 0:
+    return k, v
+  pad = [(0, 0), (0, -(-sk // KEY_BLOCK) * KEY_BLOCK - sk), (0, 0), (0, 0)]
+  return jnp.pad(k, pad), jnp.pad(v, pad)
+
+
+def _merge_splits(o: jax.Array, lse: jax.Array | None) -> jax.Array:
+  """o [S, B, Sq, Nq, D], lse fp32 [S, B, Sq, Nq] (base 2) -> [B, Sq, Nq, D] in o.dtype."""
+  if lse is None:
+    return o[0]
+  top = lse.max(0)
+  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
+  total = weight.sum(0)
+  out = (weight[..., None] * o.astype(jnp.float32)).sum(0) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.astype(o.dtype)
+
+
+def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes, check_users, interpret):
+  """Pads queries to whole tiles and keys to whole blocks, runs the kernel, merges splits, unpads."""
+  b, sq, nq, d = q.shape
+  hpg = nq // k.shape[2]
+  if block_sizes is None:
+    block_sizes = heuristic_block_sizes(b, sq, k.shape[2], hpg, list_len)
+  block_sizes = _fit_block_sizes(block_sizes, hpg, d)
+  sq_pad = padded_query_count(sq, block_sizes.queries_per_tile)
+  q = jnp.pad(q, [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
+  positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
+  plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile)
+  kp, vp = _pad_keys(k, v)
+  o, lse = attention_pallas(
+      q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
+      check_users=check_users and block_sizes.queries_per_tile > 1, interpret=_interpret_params(interpret),
+  )
+  return _merge_splits(o, lse)[:, :sq]
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))
+def sparse_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block_ids: jax.Array,
+    q_positions: jax.Array,
+    *,
+    block_size: int,
+    scale: float,
+    chunk_size: int = 256,
+    interpret: Any = False,
+    block_sizes: SparseAttentionBlockSizes | None = None,
+) -> jax.Array:
+  """Block-sparse GQA attention (M3 "MSA" attend step), Mosaic GPU kernel.
+
+  Args:
+    q: [B, Sq, Nq, D]; k, v: [B, Sk, Nkv, D] (slot j holds position j).
+    block_ids: int32 [B, Sq, Nkv, T] selected key blocks per query and KV group (-1 = empty slot;
+      ids must be distinct per row, ids >= ceil(Sk / 128) are ignored).
+    q_positions: int32 [B, Sq].
+    block_size: keys per block (128 only). scale: softmax scale.
+    chunk_size: accepted for signature parity with the reference (no memory knob here).
+    interpret: True (or plgpu.InterpretGPUParams) to run the kernel on CPU in GPU interpret mode.
+    block_sizes: optional SparseAttentionBlockSizes; default from heuristic_block_sizes.
+
+  Returns:
+    [B, Sq, Nq, D] in q.dtype.
+  """
+  del chunk_size
+  _check_qkv(q, k, v, q_positions)
+  b, sq, _, _ = q.shape
+  if block_ids.ndim != 4 or block_ids.shape[:3] != (b, sq, k.shape[2]):
+    raise ValueError(f"block_ids must be [B={b}, Sq={sq}, Nkv={k.shape[2]}, T], got {block_ids.shape}")
+  if block_size != KEY_BLOCK:
+    raise NotImplementedError(f"sparse attention kernel supports block_size={KEY_BLOCK} only, got {block_size}")
+  hpg = q.shape[2] // k.shape[2]
+  topk = block_ids.shape[3]
+
+  def make_plan(positions, sq_pad, qpt):
+    ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
+    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg)
+
+  list_len = min(topk * (block_sizes.queries_per_tile if block_sizes else 4), -(-k.shape[1] // KEY_BLOCK))
+  return _run_kernel(
+      q, k, v, q_positions, make_plan, max(list_len, 1), scale=scale, block_sizes=block_sizes,
+      check_users=True, interpret=interpret,
+  )
+
+
+def _dense_kernel_attention(q, k, v, q_positions, *, scale, block_sizes, interpret):
+  hpg = q.shape[2] // k.shape[2]
+
+  def make_plan(positions, sq_pad, qpt):
+    return dense_causal_plan(
+        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt, heads_per_group=hpg
+    )
+
+  return _run_kernel(
+      q, k, v, q_positions, make_plan, -(-k.shape[1] // KEY_BLOCK), scale=scale, block_sizes=block_sizes,
+      check_users=False, interpret=interpret,
+  )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_sizes", "use_cudnn"))
+def causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    *,
+    scale: float,
+    chunk_size: int = 512,
+    interpret: Any = False,
+    block_sizes: SparseAttentionBlockSizes | None = None,
+    use_cudnn: bool | None = None,
+) -> jax.Array:
+  """Dense causal GQA attention: cuDNN for plain prefill, else the block-list kernel over all blocks.
+
+  Args:
+    q: [B, Sq, Nq, D]; k, v: [B, Sk, Nkv, D] (slot j holds position j); q_positions: int32 [B, Sq].
+    scale: softmax scale. chunk_size: signature parity with the reference (unused).
+    interpret: run the Pallas kernel in GPU interpret mode (never uses cuDNN).
+    block_sizes: tuning of the Pallas kernel.
+    use_cudnn: None = when Sq == Sk on a GPU backend (then q_positions == arange is checked at run
+      time and other positions take the Pallas kernel); False = never.
+
+  Returns:
+    [B, Sq, Nq, D] in q.dtype.
+  """
+  del chunk_size
+  _check_qkv(q, k, v, q_positions)
+  kernel = functools.partial(_dense_kernel_attention, scale=scale, block_sizes=block_sizes, interpret=interpret)
+  if use_cudnn is None:
+    use_cudnn = not interpret and jax.default_backend() == "gpu"
+  if not use_cudnn or q.shape[1] != k.shape[1]:
+    return kernel(q, k, v, q_positions)
+  is_prefill = jnp.all(q_positions == jnp.arange(q.shape[1], dtype=q_positions.dtype)[None])
+
+  def cudnn(q, k, v, q_positions):
+    del q_positions
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+
+  return jax.lax.cond(is_prefill, cudnn, kernel, q, k, v, q_positions)

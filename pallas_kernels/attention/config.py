@@ -1,0 +1,55 @@
+"""Tile sizes for the block-sparse / dense GQA attention kernel (Hopper, Mosaic GPU) and a heuristic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+ROWS_PER_TILE = 64  # one wgmma M group: queries_per_tile x heads_per_group rows (4 x 16 for M3)
+KEY_BLOCK = 128
+SMEM_LIMIT_BYTES = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SparseAttentionBlockSizes:
+  """Knobs of one attention launch.
+
+  queries_per_tile: consecutive queries whose heads of one KV group share a CTA (the wgmma M rows are
+    queries_per_tile x heads_per_group <= 64). The CTA walks the union of their selected blocks; a
+    query masks the blocks it did not select. 1 = strictly one query's own blocks.
+  kv_stages: TMA pipeline depth over key blocks (each stage holds one K and one V block).
+  num_splits: CTAs per (tile, KV group) along the block list (flash-decoding); partial outputs are
+    merged with their log-sum-exp outside the kernel.
+  """
+
+  queries_per_tile: int = 4
+  kv_stages: int = 2
+  num_splits: int = 1
+
+  def __post_init__(self):
+    if self.queries_per_tile < 1:
+      raise ValueError(f"queries_per_tile must be >= 1, got {self.queries_per_tile}")
+    if not 1 <= self.kv_stages <= 8:
+      raise ValueError(f"kv_stages must be in [1, 8], got {self.kv_stages}")
+    if self.num_splits < 1:
+      raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+
+  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    """Query/output tile + K and V stages + per-row vectors."""
+    return (ROWS_PER_TILE + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * ROWS_PER_TILE * 4
+
+
+def heuristic_block_sizes(
+    batch: int, num_queries: int, num_kv_heads: int, heads_per_group: int, list_len: int, *,
+    num_sms: int = 132,
+) -> SparseAttentionBlockSizes:
+  """Prefill: 4 queries per tile (64 wgmma rows for M3), no split, 2 stages.
+
+  Decode / short query counts: the block list is split so that about two CTAs per SM are launched
+  (every split streams distinct K/V blocks: the op is bandwidth-bound there) with a deeper pipeline.
+  """
+  per_tile = max(1, min(4, ROWS_PER_TILE // heads_per_group, num_queries))
+  ctas = batch * num_kv_heads * -(-num_queries // per_tile)
+  if ctas >= num_sms:
+    return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=2, num_splits=1)
+  splits = max(1, min(-(-2 * num_sms // ctas), list_len))
+  return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=3, num_splits=splits)

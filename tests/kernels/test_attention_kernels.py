@@ -1,0 +1,145 @@
+"""pallas_kernels.attention.{sparse_attention, causal_attention} (Mosaic GPU) against the references.
+
+CPU: the kernel runs in the Mosaic-GPU interpreter (``interpret=True``, which also stages P through
+shared memory because the interpreter cannot take wgmma's A operand from registers) on shapes with few
+CTAs: the interpreter costs ~0.1 s per CTA. On an sm90 GPU (``JAX_PLATFORMS=cuda``) the same cases run
+compiled with P in registers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import (
+    SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
+    sparse_attention_reference,
+)
+from pallas_kernels.indexer import indexer_topk_reference
+
+
+def _on_sm90() -> bool:
+  if jax.default_backend() != "gpu":
+    return False
+  return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
+
+
+MODES = [
+    pytest.param("interpret", marks=pytest.mark.interpret),
+    pytest.param("gpu", marks=pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")),
+]
+
+# Relative L2 error bound: the output is rounded to the input dtype (bf16: 2^-9, f16: 2^-11) and so is
+# P before P.V, as in the reference; the bound leaves ~3x headroom over what is observed.
+_REL_TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 3e-3}
+
+
+def _qkv(b, sq, nq, nkv, d, sk, dtype, seed=0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(kq, (b, sq, nq, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (b, sk, nkv, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (b, sk, nkv, d), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def _selection(b, sq, nkv, sk, positions, topk, seed=0):
+  """Block ids from the reference indexer on random index projections (left-packed, -1 padded)."""
+  kq, kk = jax.random.split(jax.random.key(seed + 100))
+  idx_q = jax.random.normal(kq, (b, sq, nkv, 64), jnp.float32)
+  idx_k = jax.random.normal(kk, (b, sk, 64), jnp.float32)
+  return indexer_topk_reference(idx_q, idx_k, positions, block_size=128, topk=topk, local_blocks=1)
+
+
+def _assert_close(got, ref, dtype):
+  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(got).all()
+  rel = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+  assert rel < _REL_TOL[jnp.dtype(dtype)], rel
+  np.testing.assert_allclose(got, ref, atol=8 * _REL_TOL[jnp.dtype(dtype)], rtol=0)
+
+
+def _sparse_case(mode, b, sq, nq, nkv, d, sk, positions, topk, dtype=jnp.bfloat16, block_sizes=None, seed=0):
+  q, k, v = _qkv(b, sq, nq, nkv, d, sk, dtype, seed)
+  ids = _selection(b, sq, nkv, sk, positions, topk, seed)
+  scale = d ** -0.5
+  got = sparse_attention(
+      q, k, v, ids, positions, block_size=128, scale=scale, interpret=(mode == "interpret"),
+      block_sizes=block_sizes,
+  )
+  ref = sparse_attention_reference(q, k, v, ids, positions, block_size=128, scale=scale)
+  _assert_close(got, ref, dtype)
+  return np.asarray(got, np.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("queries_per_tile", [4, 1])
+def test_sparse_ragged_positions(mode, queries_per_tile):
+  """Two sequences, 12 queries each at scattered positions of a 700-token cache, top-2 of <= 6 blocks.
+
+  With 4 queries per tile the CTA walks the union of 4 different selections (per-query masks).
+  """
+  rng = np.random.default_rng(0)
+  positions = jnp.asarray(np.sort(rng.choice(700, (2, 12), replace=False), axis=1), jnp.int32)
+  _sparse_case(mode, 2, 12, 16, 2, 64, 700, positions, topk=2,
+               block_sizes=SparseAttentionBlockSizes(queries_per_tile=queries_per_tile))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_sparse_chunked_prefill_m3_group(mode, dtype):
+  """16 heads per KV group (M3), D = 128, 8 queries at an offset crossing a block boundary."""
+  positions = jnp.array([[300 + i for i in range(8)], [124 + i for i in range(8)]], jnp.int32)
+  _sparse_case(mode, 2, 8, 32, 2, 128, 310, positions, topk=2, dtype=dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_decode_split(mode):
+  """Decode: one query per row at different lengths (Sk % 128 != 0), flash-decoding split of the list."""
+  positions = jnp.array([[5], [700], [999]], jnp.int32)
+  _sparse_case(mode, 3, 1, 16, 2, 64, 1000, positions, topk=3,
+               block_sizes=SparseAttentionBlockSizes(queries_per_tile=1, num_splits=3))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_short_sequence_and_padding(mode):
+  """A 20-token prefill (shorter than one block) plus padded query slots (position -1 -> zeros)."""
+  positions = jnp.where(jnp.arange(24) < 20, jnp.arange(24), -1)[None].astype(jnp.int32)
+  got = _sparse_case(mode, 1, 24, 16, 2, 64, 20, positions, topk=2)
+  assert (got[0, 20:] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_causal_decode_and_chunked(mode):
+  """Dense causal: decode rows at different lengths, then a chunked-prefill chunk at an offset."""
+  q, k, v = _qkv(2, 3, 16, 2, 128, 400, jnp.bfloat16)
+  positions = jnp.array([[100, 101, 102], [397, 398, 399]], jnp.int32)
+  got = causal_attention(q, k, v, positions, scale=0.1, interpret=(mode == "interpret"))
+  _assert_close(got, causal_attention_reference(q, k, v, positions, scale=0.1), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_causal_prefill(mode):
+  """Plain prefill (Sq == Sk, arange): cuDNN on a GPU, the Pallas kernel in interpret mode."""
+  q, k, v = _qkv(1, 40, 32, 2, 64, 40, jnp.bfloat16, seed=3)
+  positions = jnp.arange(40, dtype=jnp.int32)[None]
+  got = causal_attention(q, k, v, positions, scale=0.125, interpret=(mode == "interpret"))
+  _assert_close(got, causal_attention_reference(q, k, v, positions, scale=0.125), jnp.bfloat16)
+
+
+def test_rejects_unsupported():
+  q, k, v = _qkv(1, 4, 16, 2, 64, 256, jnp.bfloat16)
+  pos = jnp.arange(4, dtype=jnp.int32)[None]
+  ids = jnp.zeros((1, 4, 2, 2), jnp.int32)
+  with pytest.raises(NotImplementedError):
+    sparse_attention(q, k, v, ids, pos, block_size=64, scale=0.1, interpret=True)
+  with pytest.raises(NotImplementedError):
+    sparse_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), ids, pos,
+                     block_size=128, scale=0.1, interpret=True)
+  with pytest.raises(NotImplementedError):  # 4 heads per group: not a multiple of 8
+    causal_attention(q[:, :, :8], k, v, pos, scale=0.1, interpret=True)
+  with pytest.raises(ValueError):
+    sparse_attention(q, k, v, ids[:, :, :1], pos, block_size=128, scale=0.1, interpret=True)
+  with pytest.raises(ValueError):
+    causal_attention(q, k, v[:, :100], pos, scale=0.1, interpret=True)
