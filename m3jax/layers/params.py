@@ -22,7 +22,8 @@ def make_param(
   if init == "zeros" or rngs is None:
     value = jnp.zeros(shape, dtype)
   else:
-    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+    # Drawn directly in the parameter dtype: no fp32 transient when initialising large bf16 models.
+    value = jax.random.normal(rngs.params(), shape, dtype) * jnp.asarray(std, dtype)
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
