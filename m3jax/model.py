@@ -16,6 +16,8 @@ from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice, resolve_kernels
+from m3jax.vision import embed as vision_embed
+from m3jax.vision.encoder import VisionModel
 
 
 @jax.tree_util.register_dataclass
@@ -37,10 +39,12 @@ class M3ForCausalLM(nnx.Module):
       correction biases are always fp32.
     kernels: 'reference' | 'pallas' | 'auto' (default: $M3JAX_KERNELS or 'auto').
     rngs: initialiser RNGs (None: zero-initialised parameters, e.g. before loading a checkpoint).
+    with_vision: also build the vision tower + projector (``self.vision``; needs ``config.vision``), enabling
+      ``model(input_ids, pixel_values=..., image_grid_thw=..., ...)``. Off by default (text-only model).
   """
 
   def __init__(self, config: M3Config, *, dtype: jnp.dtype = jnp.bfloat16, kernels: str | None = None,
-               rngs: nnx.Rngs | None = None):
+               rngs: nnx.Rngs | None = None, with_vision: bool = False):
     cfg = config.text
     self.config = config
     self.dtype = jnp.dtype(dtype)
@@ -51,6 +55,9 @@ class M3ForCausalLM(nnx.Module):
     self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.lm_head = (None if cfg.tie_word_embeddings else
                     make_param(rngs, (cfg.hidden_size, cfg.vocab_size), dtype, (ax.EMBED, ax.VOCAB)))
+    if with_vision and config.vision is None:
+      raise ValueError("with_vision=True needs a config with a vision_config")
+    self.vision = VisionModel(config, dtype=dtype, rngs=rngs) if with_vision else None
 
   def init_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
     """Zeroed per-layer caches for ``batch`` sequences of up to ``max_length`` tokens."""
@@ -111,10 +118,27 @@ class M3ForCausalLM(nnx.Module):
     logits = project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32)
     return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden)
 
-  def __call__(self, input_ids: jax.Array) -> jax.Array:
-    """input_ids int32 [B, S] -> fp32 logits [B, S, V] (one jit-compiled full forward)."""
+  def embed_multimodal(self, input_ids: jax.Array, **pixel_inputs) -> jax.Array:
+    """input_ids int [B, S] + pixel inputs (as in ``__call__``) -> inputs_embeds [B, S, H] with the vision
+    features scattered into the image / video placeholder tokens (for ``forward(inputs_embeds=...)``)."""
     input_ids = jnp.asarray(input_ids)
     _check_ids(input_ids, self.config.text.vocab_size)
+    return vision_embed.multimodal_embeddings(self, input_ids, **pixel_inputs)
+
+  def __call__(self, input_ids: jax.Array, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None,
+               video_grid_thw=None) -> jax.Array:
+    """input_ids int32 [B, S] -> fp32 logits [B, S, V] (one jit-compiled full forward).
+
+    Multimodal inputs use HF's flattened patch format (``m3jax.vision`` builds them): pixel_values
+    [N, C*T*P*P] with image_grid_thw int [num_images, 3], pixel_values_videos / video_grid_thw likewise;
+    input_ids must hold one placeholder token per merged patch (checked).
+    """
+    input_ids = jnp.asarray(input_ids)
+    _check_ids(input_ids, self.config.text.vocab_size)
+    pixel_inputs = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                        pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
+    if any(v is not None for v in pixel_inputs.values()):
+      return vision_embed.multimodal_logits(self, input_ids, **pixel_inputs)
     return _jit_logits(self, input_ids.astype(jnp.int32))
 
 
