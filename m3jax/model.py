@@ -16,6 +16,7 @@ from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice, resolve_kernels
+from m3jax.research import Collect
 from m3jax.vision import embed as vision_embed
 from m3jax.vision.encoder import VisionModel
 
@@ -23,11 +24,13 @@ from m3jax.vision.encoder import VisionModel
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:
-  """logits fp32 [B, S, V]; caches: one LayerCache per layer (or None); hidden: final-normed [B, S, H]."""
+  """logits fp32 [B, S, V]; caches: one LayerCache per layer (or None); hidden: final-normed [B, S, H];
+  intermediates: one dict per layer when ``forward(collect=...)`` asked for any (see m3jax.research)."""
 
   logits: jax.Array
   caches: tuple[LayerCache, ...] | None
   hidden: jax.Array
+  intermediates: tuple[dict[str, jax.Array], ...] | None = None
 
 
 class M3ForCausalLM(nnx.Module):
@@ -79,6 +82,7 @@ class M3ForCausalLM(nnx.Module):
       caches: tuple[LayerCache, ...] | None = None,
       inputs_embeds: jax.Array | None = None,
       logits_at: jax.Array | None = None,
+      collect: Collect | None = None,
   ) -> ForwardOutput:
     """Runs the backbone.
 
@@ -90,6 +94,7 @@ class M3ForCausalLM(nnx.Module):
       inputs_embeds: optional [B, S, H] replacing the token embeddings (multimodal inputs).
       logits_at: optional int32 [B]: compute logits only at this index of each row (prefill), giving
         logits [B, 1, V] instead of [B, S, V].
+      collect: research intermediates to record (m3jax.research.Collect); off by default.
 
     Returns:
       ForwardOutput with fp32 logits [B, S, V] (or [B, 1, V] with logits_at).
@@ -107,16 +112,19 @@ class M3ForCausalLM(nnx.Module):
       raise ValueError(f"got {len(caches)} layer caches for {cfg.num_layers} layers")
     h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
-    new_caches = []
+    new_caches, records = [], []
     for i, layer in enumerate(self.layers):
-      h, c = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i])
+      h, c, record = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i],
+                           collect=collect)
       new_caches.append(c)
+      records.append(record)
     hidden = self.final_norm(h)
     if logits_at is not None:
       hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None], axis=1)
     head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     logits = project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32)
-    return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden)
+    return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden,
+                         intermediates=None if collect is None else tuple(records))
 
   def embed_multimodal(self, input_ids: jax.Array, **pixel_inputs) -> jax.Array:
     """input_ids int [B, S] + pixel inputs (as in ``__call__``) -> inputs_embeds [B, S, H] with the vision

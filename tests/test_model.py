@@ -21,8 +21,8 @@ def test_sparse_layer_equals_dense_attention_below_topk_times_block_size():
   x = jax.random.normal(jax.random.key(2), (2, s, cfg.hidden_size))
   pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (2, s))
   cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta)
-  ys, _ = sparse(x, positions=pos, cos=cos, sin=sin, cache=None)
-  yd, _ = dense(x, positions=pos, cos=cos, sin=sin, cache=None)
+  ys, _, _ = sparse(x, positions=pos, cos=cos, sin=sin, cache=None)
+  yd, _, _ = dense(x, positions=pos, cos=cos, sin=sin, cache=None)
   limit = cfg.index_topk_blocks * cfg.index_block_size
   np.testing.assert_allclose(ys[:, :limit], yd[:, :limit], rtol=1e-5, atol=1e-6)
   assert float(jnp.abs(ys[:, limit:] - yd[:, limit:]).max()) > 1e-3

@@ -16,6 +16,9 @@ from m3jax.layers.rope import apply_partial_rope
 from m3jax.ops import attention as attention_ops
 from m3jax.ops import indexer as indexer_ops
 from m3jax.ops.dispatch import KernelChoice
+from m3jax.research import Collect, attention_probs
+from pallas_kernels._chunking import chunked_over_queries
+from pallas_kernels.indexer.reference import index_block_scores_reference
 
 
 class Indexer(nnx.Module):
@@ -60,12 +63,14 @@ class Attention(nnx.Module):
     self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if sparse else None
 
   def __call__(
-      self, x: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None
-  ) -> tuple[jax.Array, LayerCache | None]:
-    """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache).
+      self, x: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
+      collect: Collect | None = None,
+  ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
+    """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache, record).
 
     Without a cache the keys are this call's tokens, so positions must be 0..S-1 in every row. With a
     cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
+    ``record`` holds what ``collect`` asks for (m3jax.research); empty by default.
     """
     q = apply_partial_rope(self.q_norm(project("bsh,hnd->bsnd", x, self.q_proj[...])), cos, sin)
     k = apply_partial_rope(self.k_norm(project("bsh,hnd->bsnd", x, self.k_proj[...])), cos, sin)
@@ -77,6 +82,7 @@ class Attention(nnx.Module):
       cache = cache.write(positions, k, v, idx_k)
       k, v, idx_k = cache.k, cache.v, cache.idx_k
     scale = self.head_dim ** -0.5
+    block_ids = None
     if self.indexer is None:
       out = attention_ops.causal_attention(q, k, v, positions, scale=scale, kernels=self.kernels)
     else:
@@ -85,4 +91,26 @@ class Attention(nnx.Module):
           local_blocks=self.local_blocks, init_blocks=self.init_blocks, kernels=self.kernels)
       out = attention_ops.sparse_attention(q, k, v, block_ids, positions, block_size=self.block_size,
                                            scale=scale, kernels=self.kernels)
-    return project("bsnd,ndh->bsh", out, self.o_proj[...]), cache
+    record = {} if collect is None else self._record(collect, q, k, idx_q, idx_k, positions, block_ids, scale)
+    return project("bsnd,ndh->bsh", out, self.o_proj[...]), cache, record
+
+  def _record(self, collect: Collect, q, k, idx_q, idx_k, positions, block_ids, scale) -> dict[str, jax.Array]:
+    """The research intermediates of this layer (m3jax.research documents names and shapes)."""
+    record: dict[str, jax.Array] = {}
+    if block_ids is not None and collect.block_ids:
+      record["block_ids"] = block_ids
+    if block_ids is not None and collect.block_scores:
+      record["block_scores"] = chunked_over_queries(
+          lambda qc, pc: index_block_scores_reference(qc, idx_k, pc, block_size=self.block_size), 256,
+          idx_q, positions)
+    if collect.attention_queries is not None:
+      start, stop = collect.attention_queries
+      if stop > q.shape[1]:
+        raise ValueError(f"attention_queries {collect.attention_queries} beyond the {q.shape[1]} queries of this call")
+      qs, ps = q[:, start:stop], positions[:, start:stop]
+      if block_ids is None:
+        record["attn_probs"] = attention_probs(qs, k, ps, scale)
+      else:
+        record["attn_probs"] = attention_probs(qs, k, ps, scale, block_ids[:, start:stop], self.block_size)
+        record["dense_probs"] = attention_probs(qs, k, ps, scale)
+    return record

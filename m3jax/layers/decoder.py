@@ -12,6 +12,7 @@ from m3jax.layers.attention import Attention
 from m3jax.layers.mlp import DenseMLP, MoE
 from m3jax.layers.norms import RMSNorm
 from m3jax.ops.dispatch import KernelChoice
+from m3jax.research import Collect
 
 
 class DecoderLayer(nnx.Module):
@@ -30,10 +31,17 @@ class DecoderLayer(nnx.Module):
                           limit=cfg.swiglu_limit, dtype=dtype, rngs=rngs)
 
   def __call__(
-      self, h: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None
-  ) -> tuple[jax.Array, LayerCache | None]:
-    """h [B,S,H] -> ([B,S,H], updated cache)."""
-    attn_out, cache = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache)
+      self, h: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
+      collect: Collect | None = None,
+  ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
+    """h [B,S,H] -> ([B,S,H], updated cache, research record (empty unless ``collect``))."""
+    attn_out, cache, record = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache,
+                                        collect=collect)
     h = h + attn_out
-    h = h + self.mlp(self.post_attention_norm(h))
-    return h, cache
+    mlp_in = self.post_attention_norm(h)
+    h = h + self.mlp(mlp_in)
+    if collect is not None and collect.routing and isinstance(self.mlp, MoE):
+      record.update(self.mlp.routing(mlp_in))
+    if collect is not None and collect.residual:
+      record["residual"] = h
+    return h, cache, record

@@ -11,7 +11,7 @@ from m3jax.config import TextConfig
 from m3jax.layers.params import make_param
 from m3jax.ops import moe as moe_ops
 from m3jax.ops.dispatch import KernelChoice
-from pallas_kernels.moe.reference import gated_mlp
+from pallas_kernels.moe.reference import gated_mlp, route_reference
 
 
 class DenseMLP(nnx.Module):
@@ -55,3 +55,12 @@ class MoE(nnx.Module):
         self.shared.gate_up[...], self.shared.down[...], top_k=self.top_k, routed_scaling_factor=self.scale,
         swiglu_alpha=self.alpha, swiglu_limit=self.limit, kernels=self.kernels)
     return y.reshape(x.shape)
+
+  def routing(self, x: jax.Array) -> dict[str, jax.Array]:
+    """Router intermediates for x [B, S, H]: router_logits fp32 [B,S,E], expert_ids int32 [B,S,K],
+    expert_weights fp32 [B,S,K] (the same routing function the MoE op applies)."""
+    b, s, _ = x.shape
+    weights, ids, logits = route_reference(x.reshape(b * s, -1), self.router[...], self.correction_bias[...],
+                                           top_k=self.top_k)
+    return {"router_logits": logits.reshape(b, s, -1), "expert_ids": ids.reshape(b, s, -1),
+            "expert_weights": weights.reshape(b, s, -1)}
