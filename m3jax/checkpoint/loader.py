@@ -1,32 +1,56 @@
-"""Load an M3 checkpoint directory (safetensors, original MiniMax or HF layout) into an M3ForCausalLM."""
+"""Load an M3 checkpoint into an M3ForCausalLM.
+
+Two sources:
+  * a safetensors directory (original MiniMax or HF layout; bf16/fp32 or MXFP8 / FP8-block / NVFP4 quantized,
+    dequantized on load). Pipeline: ``build_rules`` (one TensorRule per parameter) -> ``plan_text_load`` (match
+    against the checkpoint) -> read sources (``TensorSource``) -> transform (``rule.to_param``) -> ``fill`` the
+    abstract model state, each array placed with its target sharding.
+  * a directory written by ``m3jax convert`` (Orbax; see converted.py), restored straight into sharded arrays.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from m3jax.checkpoint import converted
+from m3jax.checkpoint import sharding as sharding_lib
 from m3jax.checkpoint.mapping import Layout, TensorRule, detect_layout, is_skipped, prefixes, text_rules
+from m3jax.checkpoint.quantized import QUANT_SUFFIXES
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
+from m3jax.checkpoint.source import TensorSource
 from m3jax.config import M3Config
 from m3jax.model import M3ForCausalLM
 
 _DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32, "F16": jnp.float16}
+ParamPath = tuple[Any, ...]
+Checkpoint = SafetensorsDir | TensorSource
 
 
-def plan_text_load(cfg: M3Config, ckpt: SafetensorsDir) -> tuple[Layout, list[TensorRule]]:
+def build_rules(cfg: M3Config, layout: Layout) -> list[TensorRule]:
+  """Every model parameter's TensorRule for a ``layout`` checkpoint (the one place to add rules, e.g. vision)."""
+  return text_rules(cfg.text, layout)
+
+
+def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None) -> tuple[Layout, list[TensorRule]]:
   """Matches the checkpoint's tensors against the config; raises CheckpointError naming the first problem.
 
-  Checks: every expected tensor present with the expected shape, and no tensor left unexplained
-  (vision and ``mtp.*`` tensors are skipped, not errors).
+  Checks: every expected tensor present with the expected shape (and, for a TensorSource, a float dtype and the
+  quantization its config announces), and no tensor left unexplained (vision and ``mtp.*`` tensors are skipped,
+  not errors). ``layout`` overrides auto-detection.
   """
-  try:
-    layout = detect_layout(ckpt.keys())
-  except ValueError as e:
-    raise CheckpointError(f"{ckpt.path}: {e}") from None
-  rules = text_rules(cfg.text, layout)
+  if layout is None:
+    try:
+      layout = detect_layout(ckpt.keys())
+    except ValueError as e:
+      raise CheckpointError(f"{ckpt.path}: {e}") from None
+  rules = build_rules(cfg, layout)
   used: set[str] = set()
   for rule in rules:
     for name, shape in zip(rule.sources, rule.source_shapes):
@@ -37,19 +61,25 @@ def plan_text_load(cfg: M3Config, ckpt: SafetensorsDir) -> tuple[Layout, list[Te
         raise CheckpointError(f"{ckpt.path}/{ckpt.file_of(name)}: tensor {name!r} has shape "
                               f"{list(ckpt.shape(name))}, expected {list(shape)} from config.json")
       used.add(name)
-  _, head_name = prefixes(layout)
+  if isinstance(ckpt, TensorSource):
+    ckpt.check(sorted(used))
   for name in ckpt.keys():
-    if name in used or is_skipped(name, layout) or (cfg.text.tie_word_embeddings and name == head_name):
+    if name in used or is_unused(cfg, name, layout):
       continue
-    if name.endswith(("weight_scale_inv", "weight_scale", "weight_packed", "weight_global_scale")):
-      raise CheckpointError(f"{ckpt.path}/{ckpt.file_of(name)}: {name!r} is a quantization scale; quantized "
-                            "checkpoints are not supported by this loader")
+    if name.endswith(QUANT_SUFFIXES):
+      raise CheckpointError(f"{ckpt.path}/{ckpt.file_of(name)}: {name!r} is a quantization scale but config.json "
+                            "has no quantization_config")
     raise CheckpointError(f"{ckpt.path}/{ckpt.file_of(name)}: unexpected tensor {name!r} "
                           f"(shape {list(ckpt.shape(name))}) that this config does not use")
   return layout, rules
 
 
-def checkpoint_dtype(ckpt: SafetensorsDir, layout: Layout) -> jnp.dtype:
+def is_unused(cfg: M3Config, name: str, layout: Layout) -> bool:
+  """Tensors the model does not load: vision tower / projector, ``mtp.*``, and a tied LM head."""
+  return is_skipped(name, layout) or (cfg.text.tie_word_embeddings and name == prefixes(layout)[1])
+
+
+def checkpoint_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
   """The dtype of the embedding table (bf16 or fp32 checkpoints)."""
   pre, _ = prefixes(layout)
   st = ckpt.dtype(pre + "embed_tokens.weight")
@@ -58,47 +88,94 @@ def checkpoint_dtype(ckpt: SafetensorsDir, layout: Layout) -> jnp.dtype:
   return jnp.dtype(_DTYPES[st])
 
 
-def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None,
-         kernels: str | None = None) -> M3ForCausalLM:
-  """Loads ``path`` (config.json + safetensors) into a ready-to-run model.
-
-  Args:
-    path: checkpoint directory in the original MiniMax layout or an HF layout.
-    dtype: parameter/activation dtype; default: the checkpoint's own (bf16 stays bf16, fp32 stays fp32).
-    kernels: 'reference' | 'pallas' | 'auto' (default $M3JAX_KERNELS or 'auto').
-
-  Returns:
-    M3ForCausalLM with every text-backbone parameter filled.
-  """
-  path = os.fspath(path)
-  cfg = M3Config.from_file(path)
-  if cfg.text and _quantized(path):
-    raise CheckpointError(f"{path}: config.json has a quantization_config; quantized checkpoints are not "
-                          "supported by this loader")
-  ckpt = SafetensorsDir(path)
-  layout, rules = plan_text_load(cfg, ckpt)
-  dtype = checkpoint_dtype(ckpt, layout) if dtype is None else jnp.dtype(dtype)
+def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None
+                   ) -> tuple[nnx.GraphDef, list[tuple[ParamPath, Any]]]:
+  """(graphdef, [(param path, abstract variable)]) of an M3ForCausalLM; nothing is allocated."""
   abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, kernels=kernels))
   graphdef, state = nnx.split(abstract)
-  by_path = {rule.path: rule for rule in rules}
-  flat = nnx.to_flat_state(state)
+  return graphdef, list(nnx.to_flat_state(state))
+
+
+def fill(graphdef: nnx.GraphDef, flat: Sequence[tuple[ParamPath, Any]],
+         produce: Callable[[ParamPath, Any], jax.Array]) -> M3ForCausalLM:
+  """Sets every variable of the abstract state to ``produce(path, var)`` (shape-checked) and merges the model."""
   for param_path, var in flat:
-    rule = by_path.pop(param_path, None)
-    if rule is None:
-      raise CheckpointError(f"internal: no checkpoint rule for parameter {'/'.join(map(str, param_path))}")
-    value = rule.to_param([ckpt.get(name) for name in rule.sources])
-    if value.shape != var.shape:
+    value = produce(param_path, var)
+    if tuple(value.shape) != tuple(var.shape):
       raise CheckpointError(f"internal: parameter {'/'.join(map(str, param_path))} built with shape "
                             f"{value.shape}, model expects {var.shape}")
-    var.set_value(jnp.asarray(np.asarray(value), dtype=var.dtype))
-  if by_path:
-    raise CheckpointError(f"internal: rules without parameters: {sorted(by_path)[:3]}")
+    var.set_value(value)
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _quantized(path: str) -> bool:
-  import json  # pylint: disable=g-import-not-at-top
+def cast(value: np.ndarray, dtype: Any) -> np.ndarray:
+  """numpy cast (round to nearest even via ml_dtypes for bf16), shared by load and convert so both agree bitwise."""
+  dtype = np.dtype(dtype)
+  return value if value.dtype == dtype else value.astype(dtype)
 
-  with open(os.path.join(path, "config.json")) as f:
-    raw = json.load(f)
-  return bool(raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config"))
+
+def place(value: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+  """Host array -> jax.Array on the default device, or laid out by ``sharding`` (each device gets its slice)."""
+  if sharding is None:
+    return jnp.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kernels: str | None = None,
+         shardings: Any = None, mesh: jax.sharding.Mesh | None = None,
+         axis_rules: sharding_lib.AxisRules | None = None) -> M3ForCausalLM:
+  """Loads ``path`` into a ready-to-run model.
+
+  Args:
+    path: a safetensors checkpoint directory (original MiniMax or HF layout, possibly quantized) or a directory
+      written by ``m3jax convert``.
+    dtype: parameter/activation dtype; default: the checkpoint's own (bf16 stays bf16, fp32 stays fp32).
+    kernels: 'reference' | 'pallas' | 'auto' (default $M3JAX_KERNELS or 'auto').
+    shardings: target sharding per parameter: a Sharding, a callable (param_path, abstract_var) -> Sharding, or a
+      pytree of Shardings keyed like the parameter state (see m3jax/checkpoint/sharding.py).
+    mesh, axis_rules: alternatively, a mesh and logical-axis rules ((logical_name, mesh_axis), ...) applied to
+      each parameter's logical axis names.
+
+  Returns:
+    M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
+  """
+  path = os.fspath(path)
+  if converted.is_converted(path):
+    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules)
+  if converted.looks_partial(path):
+    raise CheckpointError(f"{path}: has an Orbax '{converted.STATE}' directory but no {converted.MARKER}: an "
+                          "incomplete conversion; run `m3jax convert` again")
+  cfg = M3Config.from_file(path)
+  source = TensorSource.open(path)
+  layout, rules = plan_text_load(cfg, source)
+  dtype = checkpoint_dtype(source, layout) if dtype is None else jnp.dtype(dtype)
+  graphdef, flat = abstract_model(cfg, dtype, kernels)
+  placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
+                                                             axis_rules=axis_rules))
+  by_path = {rule.path: rule for rule in rules}
+
+  def produce(param_path: ParamPath, var: Any) -> jax.Array:
+    rule = by_path.pop(param_path, None)
+    if rule is None:
+      raise CheckpointError(f"internal: no checkpoint rule for parameter {'/'.join(map(str, param_path))}")
+    value = np.asarray(rule.to_param([source.get(name) for name in rule.sources]))
+    if value.shape != tuple(var.shape):
+      raise CheckpointError(f"internal: parameter {'/'.join(map(str, param_path))} built with shape "
+                            f"{value.shape}, model expects {var.shape}")
+    return place(cast(value, var.dtype), placement(param_path))
+
+  model = fill(graphdef, flat, produce)
+  if by_path:
+    raise CheckpointError(f"internal: rules without parameters: {sorted(by_path)[:3]}")
+  return model
+
+
+def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules) -> M3ForCausalLM:
+  marker = converted.read_marker(path)
+  cfg = M3Config.from_file(path)
+  dtype = jnp.dtype(marker["dtype"]) if dtype is None else jnp.dtype(dtype)
+  graphdef, flat = abstract_model(cfg, dtype, kernels)
+  placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
+                                                             axis_rules=axis_rules))
+  values = converted.restore_params(path, flat, placement)
+  return fill(graphdef, flat, lambda param_path, var: values.pop(param_path))

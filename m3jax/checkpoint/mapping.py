@@ -192,3 +192,36 @@ def detect_layout(names: Sequence[str]) -> Layout:
 def is_skipped(name: str, layout: Layout) -> bool:
   """True for tensors the text backbone does not use (vision tower, projector, MTP)."""
   return name.startswith(_SKIPPED_PREFIXES[layout]) or ".mtp." in name
+
+
+# Stacked-expert parameters ([E, ...]); conversion streams them a few experts at a time.
+EXPERT_PARAMS = ("w_gate_up", "w_down")
+
+
+def num_stacked_experts(rule: TensorRule) -> int:
+  """E for a stacked-expert rule ([E, H, 2I] gate_up or [E, I, H] down), 0 for any other rule."""
+  if rule.path[-1] not in EXPERT_PARAMS:
+    return 0
+  if len(rule.source_shapes[0]) == 3:  # one stacked HF tensor [E, out, in]
+    return rule.source_shapes[0][0]
+  return len(rule.sources) // 2 if rule.path[-1] == "w_gate_up" else len(rule.sources)
+
+
+def expert_subrule(rule: TensorRule, start: int, stop: int) -> tuple[TensorRule, slice | None]:
+  """Experts [start, stop) of a stacked-expert rule.
+
+  Returns (a rule whose to_param gives param[start:stop] and whose from_param inverts it, the leading-axis row
+  slice to read from each source tensor or None when the sources are per-expert tensors).
+  """
+  e = num_stacked_experts(rule)
+  if not e or not 0 <= start < stop <= e:
+    raise ValueError(f"expert range [{start}, {stop}) of {'/'.join(map(str, rule.path))} (experts: {e})")
+  if len(rule.source_shapes[0]) == 3:
+    shape = (stop - start,) + tuple(rule.source_shapes[0][1:])
+    return dataclasses.replace(rule, source_shapes=(shape,)), slice(start, stop)
+  if rule.path[-1] == "w_gate_up":
+    width, hidden = rule.source_shapes[0]
+    w1, w3 = list(rule.sources[:e]), list(rule.sources[e:])
+    return _expert_gate_up(rule.path, w1[start:stop], w3[start:stop], width, hidden), None
+  hidden, width = rule.source_shapes[0]
+  return _expert_down(rule.path, list(rule.sources[start:stop]), width, hidden), None

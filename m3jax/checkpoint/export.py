@@ -1,0 +1,163 @@
+"""m3jax Orbax checkpoint -> original-layout safetensors (what MiniMax releases and HF ``from_pretrained`` loads).
+
+Streams: each parameter (stacked experts a group of experts at a time) is read from the Orbax state with
+TensorStore, split back into checkpoint tensors by the inverse transforms of the same TensorRules the loader
+uses, and appended to a safetensors shard whose header was written up front. MTP tensors (and vision tensors
+kept from an original-layout source) are written back under their original names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from m3jax.checkpoint import converted, fsutil, orbax_io
+from m3jax.checkpoint.loader import abstract_model, build_rules
+from m3jax.checkpoint.pieces import Piece, split_rule
+from m3jax.checkpoint.safetensors_dir import INDEX_NAME, CheckpointError
+from m3jax.checkpoint.safetensors_stream import NUMPY_DTYPES, SAFETENSORS_DTYPES, StreamingWriter
+from m3jax.config import M3Config
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+DEFAULT_PIECE_BYTES = 1 << 30
+MTP_PREFIX = "language_model.model.mtp."
+HF_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
+
+
+@dataclasses.dataclass
+class ExportSummary:
+  src: str
+  out: str
+  tensors: int
+  shards: int
+  bytes_written: int
+  seconds: float
+  skipped: list[str]
+
+  def lines(self) -> list[str]:
+    rate = self.bytes_written / 1e9 / max(self.seconds, 1e-9)
+    out = [f"exported {self.src} -> {self.out} (original layout)",
+           f"  {self.tensors} tensors in {self.shards} safetensors file(s), {fsutil.format_bytes(self.bytes_written)} "
+           f"in {self.seconds:.1f} s ({rate:.3f} GB/s)"]
+    if self.skipped:
+      out.append(f"  not exported: {len(self.skipped)} tensors (e.g. {self.skipped[0]})")
+    return out
+
+
+def hf_config(cfg: M3Config, dtype: str) -> dict:
+  """config.json for the exported checkpoint: the normalised config plus what HF ``from_pretrained`` needs."""
+  out = cfg.to_dict()
+  out["architectures"] = [HF_ARCHITECTURE]
+  out["dtype"] = dtype
+  out["text_config"]["dtype"] = dtype
+  return out
+
+
+def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = False,
+           max_shard_bytes: int = DEFAULT_SHARD_BYTES, max_piece_bytes: int = DEFAULT_PIECE_BYTES,
+           progress: bool = True) -> ExportSummary:
+  """Writes the m3jax checkpoint ``src`` back as an original-layout safetensors checkpoint at ``out``.
+
+  Args:
+    src: a directory written by ``m3jax convert``.
+    out: output directory (config.json, model[-0000i-of-0000n].safetensors, index, tokenizer files); must not
+      exist unless ``force``. Written atomically.
+    max_shard_bytes: safetensors shard size limit.
+  """
+  start = time.perf_counter()
+  src, out = os.fspath(src), os.fspath(out)
+  if not converted.is_converted(src):
+    raise CheckpointError(f"{src}: not an m3jax checkpoint (no {converted.MARKER}); `m3jax export` reads the "
+                          "output of `m3jax convert`")
+  fsutil.check_destination(out, force, sources=(src,))
+  marker = converted.read_marker(src)
+  cfg = M3Config.from_file(src)
+  _, flat = abstract_model(cfg, np.dtype(marker["dtype"]))
+  meta = converted.check_params(src, flat)
+  reader = orbax_io.SliceReader(converted.state_dir(src))
+
+  # Production order: (key, piece, [(name, shape, dtype)]) per step.
+  steps: list[tuple[orbax_io.KeyPath, Piece | None, list[tuple[str, tuple[int, ...], str]]]] = []
+  for rule in build_rules(cfg, "original"):
+    key = converted.model_key(rule.path)
+    info = meta[key]
+    st_dtype = SAFETENSORS_DTYPES[info.dtype]
+    for piece in split_rule(rule, info.shape, info.dtype.itemsize, max_piece_bytes):
+      steps.append((key, piece, [(n, s, st_dtype) for n, s in zip(piece.rule.sources, piece.rule.source_shapes)]))
+  skipped: list[str] = []
+  for tree in converted.EXTRA_TREES:
+    for rel, source_name in converted.extra_names(marker, tree).items():
+      if tree == converted.VISION and marker["source"]["layout"] != "original":
+        skipped.append(source_name)  # HF-layout vision names; the original spelling is the vision loader's job
+        continue
+      name = MTP_PREFIX + rel if tree == converted.MTP else source_name
+      info = meta[converted.extra_key(tree, rel)]
+      steps.append((converted.extra_key(tree, rel), None, [(name, info.shape, SAFETENSORS_DTYPES[info.dtype])]))
+
+  entries = [e for _, _, es in steps for e in es]
+  shards = _assign_shards(entries, max_shard_bytes)
+  n_shards = max(shards.values(), default=0) + 1
+  fnames = ["model.safetensors"] if n_shards == 1 else [
+      f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+  total = sum(_nbytes(s, d) for _, s, d in entries)
+  bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="export", disable=not progress,
+             dynamic_ncols=True, leave=False)
+  try:
+    with fsutil.atomic_output_dir(out, force) as tmp:
+      writers: dict[int, StreamingWriter] = {}
+
+      def writer_for(name: str) -> StreamingWriter:
+        i = shards[name]
+        if i not in writers:
+          for j in list(writers):
+            writers.pop(j).close()
+          writers[i] = StreamingWriter(os.path.join(tmp, fnames[i]),
+                                       [e for e in entries if shards[e[0]] == i], {"format": "pt"})
+        return writers[i]
+
+      for key, piece, outs in steps:
+        if piece is None:
+          arrays = [reader.read(key)]
+        else:
+          rows = None if (piece.start, piece.stop) == (0, meta[key].shape[0] if meta[key].shape else 0) else (
+              slice(piece.start, piece.stop))
+          arrays = piece.split(reader.read(key, rows))
+        for (name, shape, _), arr in zip(outs, arrays):
+          if tuple(arr.shape) != tuple(shape):
+            raise CheckpointError(f"internal: {name!r} exported with shape {arr.shape}, expected {shape}")
+          writer_for(name).write(name, arr)
+          bar.update(arr.nbytes)
+      for w in writers.values():
+        w.close()
+      if n_shards > 1:
+        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+          json.dump({"metadata": {"total_size": total},
+                     "weight_map": {name: fnames[shards[name]] for name, _, _ in entries}}, f, indent=2)
+      with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_config(cfg, marker["dtype"]), f, indent=2)
+      fsutil.copy_aux_files(src, tmp)
+  finally:
+    bar.close()
+  return ExportSummary(src=src, out=out, tensors=len(entries), shards=n_shards, bytes_written=total,
+                       seconds=time.perf_counter() - start, skipped=skipped)
+
+
+def _nbytes(shape: tuple[int, ...], st_dtype: str) -> int:
+  return int(np.prod(shape, dtype=np.int64)) * NUMPY_DTYPES[st_dtype].itemsize
+
+
+def _assign_shards(entries: list[tuple[str, tuple[int, ...], str]], max_bytes: int) -> dict[str, int]:
+  """Tensor name -> shard index, filling shards in order up to ``max_bytes`` (a bigger tensor gets its own)."""
+  out, shard, size = {}, 0, 0
+  for name, shape, dtype in entries:
+    n = _nbytes(shape, dtype)
+    if size and size + n > max_bytes:
+      shard, size = shard + 1, 0
+    out[name] = shard
+    size += n
+  return out

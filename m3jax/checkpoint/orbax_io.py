@@ -1,0 +1,191 @@
+"""Orbax (orbax-checkpoint 0.12.4) I/O for converted checkpoints: streaming save, metadata, sharded restore, and
+leading-axis slice reads.
+
+Saving streams: each leaf is a ``LazyArray`` (shape, dtype and a list of row pieces with a producer each). A
+registered TypeHandler writes the pieces one after another into the array's TensorStore (zarr3 in OCDBT, the
+layout Orbax's own NumpyHandler writes and records as 'np.ndarray'), so host memory holds one piece (plus the one
+being written) instead of the tree. The result is an ordinary Orbax PyTree checkpoint: plain
+``ocp.PyTreeCheckpointer().restore(path)`` reads it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+from orbax.checkpoint._src.serialization import type_handler_registry as registry_lib
+from orbax.checkpoint._src.serialization import type_handlers
+
+KeyPath = tuple[str, ...]
+# Zarr chunks of at most this many bytes: partial (sharded) restores read only the chunks they need.
+CHUNK_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass
+class LazyArray:
+  """A leaf produced piece by piece: ``pieces`` = [(start, stop, make)] covering rows [0, shape[0]) in order;
+  make() returns the rows [start, stop) as a numpy array of ``dtype``. ``on_piece(nbytes)`` is called after each
+  piece is handed to TensorStore (progress reporting)."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  pieces: Sequence[tuple[int, int, Callable[[], np.ndarray]]]
+  on_piece: Callable[[int], None] | None = None
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * np.dtype(self.dtype).itemsize
+
+
+class _LazyArrayHandler(type_handlers.NumpyHandler):
+  """Writes LazyArray leaves piece by piece (metadata identical to NumpyHandler's, so it restores as np.ndarray).
+
+  Leaves are written sequentially; the next piece is built while the previous one is being written.
+  """
+
+  async def serialize(self, values, infos, args=None):
+    args = args or [ocp.SaveArgs()] * len(values)
+    for value, info, arg in zip(values, infos, args):
+      await info.await_path_creation()
+      rows = max((stop - start for start, stop, _ in value.pieces), default=0)
+      write_shape = (max(rows, 1),) + tuple(value.shape[1:]) if value.shape else ()
+      spec = ts_utils.build_array_write_spec(
+          info=info, arg=arg, global_shape=value.shape, local_shape=write_shape, dtype=np.dtype(value.dtype),
+          use_ocdbt=info.is_ocdbt_checkpoint,
+          process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
+      store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+      pending = None
+      for start, stop, make in value.pieces:
+        data = np.asarray(make())
+        want = (stop - start,) + tuple(value.shape[1:]) if value.shape else ()
+        if data.shape != want or data.dtype != np.dtype(value.dtype):
+          raise ValueError(f"internal: piece [{start}:{stop}] of {info.name} is {data.shape} {data.dtype}, "
+                           f"expected {want} {np.dtype(value.dtype)}")
+        if pending is not None:
+          await pending[0]
+          if value.on_piece:
+            value.on_piece(pending[1])
+        target = store[start:stop] if value.shape else store
+        pending = (target.write(data), data.nbytes)
+        del data
+      if pending is not None:
+        await pending[0]
+        if value.on_piece:
+          value.on_piece(pending[1])
+    return []
+
+
+def _registry():
+  return registry_lib.create_type_handler_registry(*registry_lib._DEFAULT_TYPE_HANDLERS,  # pylint: disable=protected-access
+                                                   (LazyArray, _LazyArrayHandler()))
+
+
+def save_streaming(path: str, tree: Mapping[str, Any]) -> None:
+  """Saves a nested dict of LazyArray leaves (str keys) as an Orbax PyTree checkpoint at ``path`` (must not exist).
+
+  Uncompressed zarr3 in OCDBT; chunks of at most CHUNK_BYTES within each piece.
+  """
+  handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_registry(), use_zarr3=True, use_compression=False)
+  save_args = jax.tree.map(lambda leaf: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree,
+                           is_leaf=lambda x: isinstance(x, LazyArray))
+  with ocp.Checkpointer(handler) as ckptr:
+    ckptr.save(os.path.abspath(path), args=ocp.args.PyTreeSave(tree, save_args=save_args))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+  """Stored shape and dtype of one leaf."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
+def leaf_metadata(path: str) -> dict[KeyPath, LeafInfo]:
+  """Key path -> stored shape/dtype for every array leaf of the Orbax checkpoint at ``path`` (no data read)."""
+  meta = ocp.PyTreeCheckpointer().metadata(os.path.abspath(path))
+  tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+  out: dict[KeyPath, LeafInfo] = {}
+  for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    out[tuple(_key_str(k) for k in keypath)] = LeafInfo(tuple(leaf.shape), np.dtype(leaf.dtype))
+  return out
+
+
+def _key_str(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def nest(flat: Mapping[KeyPath, Any]) -> dict[str, Any]:
+  """{('a', 'b'): x} -> {'a': {'b': x}}; raises ValueError when a key is both a leaf and a subtree."""
+  root: dict[str, Any] = {}
+  for keypath, value in flat.items():
+    node = root
+    for k in keypath[:-1]:
+      node = node.setdefault(k, {})
+      if not isinstance(node, dict):
+        raise ValueError(f"{'.'.join(keypath)}: {k!r} is both a tensor and a prefix of other tensors")
+    if keypath[-1] in node:
+      raise ValueError(f"{'.'.join(keypath)}: is both a tensor and a prefix of other tensors")
+    node[keypath[-1]] = value
+  return root
+
+
+def restore(path: str, leaves: Mapping[KeyPath, tuple[tuple[int, ...], np.dtype, jax.sharding.Sharding]]
+            ) -> dict[KeyPath, jax.Array]:
+  """Restores the given leaves (a subset of the checkpoint) straight into jax.Arrays with the given shardings,
+  cast to the given dtypes. Each device reads only the chunks of its own shard."""
+  item = nest({k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype, sharding)
+               in leaves.items()})
+  restore_args = nest({k: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
+                       for k, (shape, dtype, sharding) in leaves.items()})
+  with ocp.PyTreeCheckpointer() as ckptr:
+    out = ckptr.restore(os.path.abspath(path), args=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True))
+  result = {}
+  for keypath in leaves:
+    node = out
+    for k in keypath:
+      node = node[k]
+    result[keypath] = node
+  return result
+
+
+class SliceReader:
+  """Reads leaves (or leading-axis row ranges of them) of an Orbax checkpoint as numpy arrays via TensorStore."""
+
+  def __init__(self, path: str):
+    self.path = os.path.abspath(path)
+    with open(os.path.join(self.path, "_METADATA")) as f:
+      self._driver = "zarr3" if json.load(f).get("use_zarr3") else "zarr"
+    self._stores: dict[KeyPath, Any] = {}
+    self._ctx = ts.Context({"file_io_concurrency": {"limit": 32}})
+
+  def _store(self, keypath: KeyPath):
+    if keypath not in self._stores:
+      spec = {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": f"file://{self.path}",
+                                             "path": ".".join(keypath)}}
+      self._stores[keypath] = ts.open(spec, open=True, read=True, context=self._ctx).result()
+    return self._stores[keypath]
+
+  def read(self, keypath: KeyPath, rows: slice | None = None) -> np.ndarray:
+    store = self._store(keypath)
+    return np.asarray((store if rows is None else store[rows]).read().result())

@@ -1,0 +1,217 @@
+"""Quantized weight formats of M3 checkpoints (M3_SPEC §6): config parsing, dequantization, and reference
+quantizers (used by tests and benchmarks to build quantized fixtures from known weights).
+
+Formats (per Linear ``X``; all matrices are [out, in]):
+  * ``mxfp8``: ``X.weight`` float8_e4m3fn + ``X.weight_scale_inv`` uint8 E8M0 [out, in/32];
+    W = e4m3 * 2^(s - 127) (a multiplier despite the "_inv").
+  * ``fp8_block``: ``X.weight`` float8_e4m3fn + ``X.weight_scale_inv`` float (or E8M0) [ceil(out/bo), ceil(in/bi)],
+    block (bo, bi) = (128, 128) by default; W = e4m3 * s[r // bo, c // bi].
+  * ``nvfp4`` (compressed-tensors): ``X.weight_packed`` uint8 [out, in/2] (low nibble = even element; bit 3 = sign,
+    bits 0-2 index {0, .5, 1, 1.5, 2, 3, 4, 6}), ``X.weight_scale`` float8_e4m3fn [out, in/16] and
+    ``X.weight_global_scale`` fp32 (a divisor); W = e2m1 * (scale / global_scale). ``X.input_global_scale`` is an
+    activation scale, unused for weight-only dequantization.
+Dequantization is computed in fp32 (exact for every representable value) and cast by the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import ml_dtypes
+import numpy as np
+
+Format = Literal["mxfp8", "fp8_block", "nvfp4"]
+
+SCALE_INV = ".weight_scale_inv"
+PACKED = ".weight_packed"
+SCALE = ".weight_scale"
+GLOBAL_SCALE = ".weight_global_scale"
+INPUT_GLOBAL_SCALE = ".input_global_scale"
+INPUT_SCALE = ".input_scale"
+# Companion tensors that carry no weight data of their own (activation scales), ignored on load.
+ACTIVATION_SUFFIXES = (INPUT_GLOBAL_SCALE, INPUT_SCALE)
+QUANT_SUFFIXES = (SCALE_INV, PACKED, SCALE, GLOBAL_SCALE) + ACTIVATION_SUFFIXES
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+MX_BLOCK = 32
+NVFP4_GROUP = 16
+FP8_BLOCK = (128, 128)
+
+
+class QuantError(ValueError):
+  """A quantized tensor group that does not follow its format (the caller adds file and tensor names)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """What config.json's ``quantization_config`` says.
+
+  method: the ``quant_method`` string ('mxfp8', 'fp8', 'compressed-tensors', ...).
+  ignored: modules left unquantized (``ignored_layers`` / ``modules_to_not_convert`` / compressed-tensors ``ignore``).
+  targets: compressed-tensors ``config_groups[*].targets`` (empty: every Linear).
+  weight_block_size: FP8 block (rows, cols) when the config states it.
+  """
+
+  method: str
+  ignored: tuple[str, ...] = ()
+  targets: tuple[str, ...] = ()
+  weight_block_size: tuple[int, int] | None = None
+
+  @classmethod
+  def from_config(cls, raw: Mapping[str, Any]) -> "QuantConfig | None":
+    """From a whole config.json dict (top level or text_config); None for an unquantized checkpoint."""
+    q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not q:
+      return None
+    if not isinstance(q, Mapping):
+      raise QuantError(f"config key 'quantization_config' must be an object, got {type(q).__name__}")
+    ignored: list[str] = []
+    for key in ("ignored_layers", "modules_to_not_convert", "ignore"):
+      ignored += list(q.get(key) or [])
+    targets: list[str] = []
+    for group in (q.get("config_groups") or {}).values():
+      targets += list(group.get("targets") or [])
+    block = q.get("weight_block_size")
+    return cls(method=str(q.get("quant_method", q.get("format", "unknown"))), ignored=tuple(ignored),
+               targets=tuple(t for t in targets if t != "Linear"),
+               weight_block_size=tuple(block) if block else None)
+
+  def is_ignored(self, module: str) -> bool:
+    return any(_module_matches(module, entry) for entry in self.ignored)
+
+  def expects_quantized(self, module: str) -> bool:
+    """True when the config quantizes Linear ``module`` (its weight is ``module + '.weight'``)."""
+    if self.is_ignored(module):
+      return False
+    return not self.targets or any(_module_matches(module, t) for t in self.targets)
+
+
+def _module_matches(module: str, entry: str) -> bool:
+  """``re:<regex>`` (compressed-tensors; re.match) or a contiguous run of dotted name components, so that
+  'lm_head', 'gate', 'block_sparse_moe.gate' and full names with or without a 'language_model.' prefix all work,
+  while 'gate' does not match 'gate_proj'."""
+  if entry.startswith("re:"):
+    return re.match(entry[3:], module) is not None
+  parts, want = module.split("."), entry.strip(".").split(".")
+  return any(parts[i:i + len(want)] == want for i in range(len(parts) - len(want) + 1))
+
+
+def is_linear_weight(name: str, ndim: int) -> bool:
+  """Tensors a Linear-quantizing config applies to: 2-D ``*.weight`` except embeddings."""
+  return ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dequantization (numpy, fp32 results)
+
+
+def e8m0_to_float(scale: np.ndarray) -> np.ndarray:
+  """uint8 E8M0 -> fp32 2^(s - 127) (255 is NaN)."""
+  s = np.asarray(scale, np.uint8).astype(np.int32)
+  out = np.ldexp(np.float32(1.0), s - 127).astype(np.float32)
+  return np.where(s == 255, np.float32(np.nan), out)
+
+
+def _scale_to_float(scale: np.ndarray) -> np.ndarray:
+  if scale.dtype == np.uint8:
+    return e8m0_to_float(scale)
+  return np.asarray(scale, np.float32)
+
+
+def block_shape(weight_shape: Sequence[int], grid_shape: Sequence[int],
+                stated: tuple[int, int] | None = None) -> tuple[int, int]:
+  """The (rows, cols) block of a [out, in] weight whose scales form ``grid_shape`` [g_out, g_in]."""
+  out, inp = weight_shape[-2:]
+  g_out, g_in = grid_shape[-2:]
+  candidates = [stated] if stated else [(1, MX_BLOCK), FP8_BLOCK]
+  if g_out and g_in and out % g_out == 0 and inp % g_in == 0:
+    candidates.append((out // g_out, inp // g_in))
+  for bo, bi in candidates:
+    if math.ceil(out / bo) == g_out and math.ceil(inp / bi) == g_in:
+      return bo, bi
+  raise QuantError(f"scale grid {list(grid_shape)} does not tile a weight of shape {list(weight_shape)} "
+                   f"(tried blocks {candidates})")
+
+
+def dequantize_blocked(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+  """MXFP8 / FP8 block-scaled: e4m3 weight [..., out, in] * scale [..., g_out, g_in] per (bo, bi) block -> fp32."""
+  bo, bi = block
+  out, inp = weight.shape[-2:]
+  s = _scale_to_float(scale)
+  s = np.repeat(np.repeat(s, bo, axis=-2)[..., :out, :], bi, axis=-1)[..., :inp]
+  return weight.astype(np.float32) * s
+
+
+def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
+  """uint8 [..., n/2] -> fp32 [..., n]; the low nibble is the even element."""
+  packed = np.asarray(packed, np.uint8)
+  codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+  mag = E2M1_VALUES[codes & 0x7]
+  return np.where(codes & 0x8, -mag, mag).astype(np.float32)
+
+
+def dequantize_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarray) -> np.ndarray:
+  """NVFP4: packed [..., out, in/2] uint8, scale [..., out, in/16] e4m3, global_scale (divisor) -> fp32 [..., out, in]."""
+  values = unpack_e2m1(packed)
+  inp = values.shape[-1]
+  group = inp // scale.shape[-1]
+  g = np.asarray(global_scale, np.float32)
+  g = g.reshape(g.shape + (1,) * (values.ndim - g.ndim)) if g.ndim and g.size > 1 else g.reshape(())
+  eff = scale.astype(np.float32) / g
+  return values * np.repeat(eff, group, axis=-1)[..., :inp]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference quantizers (round to nearest; for tests, fixtures and benchmarks)
+
+
+def quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """fp32 [out, in] (in % 32 == 0) -> (e4m3 [out, in], uint8 E8M0 [out, in/32]). Scale = 2^(ceil(log2(amax/448)))."""
+  out, inp = w.shape
+  if inp % MX_BLOCK:
+    raise QuantError(f"MXFP8 needs in_features % {MX_BLOCK} == 0, got {w.shape}")
+  blocks = w.astype(np.float32).reshape(out, inp // MX_BLOCK, MX_BLOCK)
+  amax = np.abs(blocks).max(axis=-1)
+  exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 448.0)), 0).astype(np.int32)
+  exp = np.clip(exp, -127, 127)
+  q = (blocks / np.ldexp(np.float32(1), exp)[..., None]).astype(ml_dtypes.float8_e4m3fn)
+  return q.reshape(out, inp), (exp + 127).astype(np.uint8)
+
+
+def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+  """fp32 [out, in] -> (e4m3 [out, in], fp32 scales [ceil(out/bo), ceil(in/bi)]), scale = amax / 448."""
+  bo, bi = block
+  out, inp = w.shape
+  go, gi = math.ceil(out / bo), math.ceil(inp / bi)
+  padded = np.zeros((go * bo, gi * bi), np.float32)
+  padded[:out, :inp] = w
+  amax = np.abs(padded.reshape(go, bo, gi, bi)).max(axis=(1, 3))
+  scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+  full = np.repeat(np.repeat(scale, bo, 0), bi, 1)[:out, :inp]
+  return (w / full).astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def quantize_nvfp4(w: np.ndarray, global_scale: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """fp32 [out, in] (in % 16 == 0) -> (packed uint8 [out, in/2], e4m3 scales [out, in/16], fp32 global divisor [1]).
+
+  global_scale defaults to 448 * 6 / amax (the compressed-tensors choice), rounded to a power of two.
+  """
+  out, inp = w.shape
+  if inp % NVFP4_GROUP:
+    raise QuantError(f"NVFP4 needs in_features % {NVFP4_GROUP} == 0, got {w.shape}")
+  w = w.astype(np.float32)
+  if global_scale is None:
+    amax = float(np.abs(w).max()) or 1.0
+    global_scale = float(2.0 ** np.floor(np.log2(448.0 * 6.0 / amax)))
+  groups = w.reshape(out, inp // NVFP4_GROUP, NVFP4_GROUP)
+  gmax = np.abs(groups).max(axis=-1)
+  scale = (gmax / 6.0 * global_scale).astype(ml_dtypes.float8_e4m3fn)
+  eff = scale.astype(np.float32) / np.float32(global_scale)
+  x = np.where(eff[..., None] > 0, groups / np.where(eff > 0, eff, 1)[..., None], 0).reshape(out, inp)
+  codes = np.abs(x[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8) | np.where(x < 0, 8, 0).astype(np.uint8)
+  packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+  return packed, scale, np.array([global_scale], np.float32)

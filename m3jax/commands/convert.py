@@ -1,0 +1,34 @@
+"""``m3jax convert SRC DST``: a safetensors checkpoint (original MiniMax or HF layout, plain or quantized) ->
+an m3jax Orbax checkpoint that ``m3jax.load`` restores straight into (sharded) arrays."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+  p = sub.add_parser("convert", help="convert a safetensors checkpoint into an m3jax (Orbax) checkpoint",
+                     description=__doc__)
+  p.add_argument("src", help="checkpoint directory: config.json + *.safetensors (single or sharded with an index)")
+  p.add_argument("dst", help="output directory (written atomically; must not exist unless --force)")
+  p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                 help="parameter dtype (auto: the checkpoint's own; quantized weights are dequantized to it)")
+  p.add_argument("--layout", default="auto", choices=("auto", "original", "hf", "hf_text"),
+                 help="tensor naming of SRC (auto-detected by default)")
+  p.add_argument("--force", action="store_true", help="replace an existing DST")
+  p.add_argument("--keep-vision", action="store_true", help="keep vision-tower tensors (own subtree)")
+  p.add_argument("--drop-mtp", action="store_true", help="skip the MTP (mtp.*) tensors instead of keeping them")
+  p.add_argument("--piece-mb", type=int, default=1024,
+                 help="stacked experts are built and written in groups of at most this many MiB (default 1024)")
+  p.add_argument("--no-progress", action="store_true", help="no progress bar")
+  p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+  from m3jax.checkpoint.convert import convert  # pylint: disable=g-import-not-at-top
+
+  summary = convert(args.src, args.dst, dtype=args.dtype, layout=args.layout, force=args.force,
+                    keep_mtp=not args.drop_mtp, keep_vision=args.keep_vision, max_piece_bytes=args.piece_mb << 20,
+                    progress=not args.no_progress)
+  print("\n".join(summary.lines()))
+  return 0
