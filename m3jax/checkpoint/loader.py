@@ -10,6 +10,7 @@ Two sources:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from m3jax.checkpoint.mapping import Layout, TensorRule, detect_layout, is_skipp
 from m3jax.checkpoint.quantized import QUANT_SUFFIXES
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.source import TensorSource
+from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.config import M3Config
 from m3jax.model import M3ForCausalLM
 
@@ -34,8 +36,17 @@ Checkpoint = SafetensorsDir | TensorSource
 
 
 def build_rules(cfg: M3Config, layout: Layout) -> list[TensorRule]:
-  """Every model parameter's TensorRule for a ``layout`` checkpoint (the one place to add rules, e.g. vision)."""
-  return text_rules(cfg.text, layout)
+  """Every model parameter's TensorRule for a ``layout`` checkpoint (the one place to add rules, e.g. vision).
+
+  The vision tower + projector are included when ``cfg`` has a vision config (``text_only`` loads drop it).
+  """
+  rules = text_rules(cfg.text, layout)
+  if cfg.vision is not None:
+    try:
+      rules += vision_rules(cfg, layout)
+    except ValueError as e:
+      raise CheckpointError(str(e)) from None
+  return rules
 
 
 def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None) -> tuple[Layout, list[TensorRule]]:
@@ -55,8 +66,9 @@ def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None
   for rule in rules:
     for name, shape in zip(rule.sources, rule.source_shapes):
       if name not in ckpt:
+        hint = "; load with text_only=True to skip the vision tower" if rule.path[0] == "vision" else ""
         raise CheckpointError(f"{ckpt.path}: missing tensor {name!r} (expected shape {list(shape)}) for "
-                              f"parameter {'/'.join(map(str, rule.path))}")
+                              f"parameter {'/'.join(map(str, rule.path))}{hint}")
       if ckpt.shape(name) != shape:
         raise CheckpointError(f"{ckpt.path}/{ckpt.file_of(name)}: tensor {name!r} has shape "
                               f"{list(ckpt.shape(name))}, expected {list(shape)} from config.json")
@@ -91,7 +103,8 @@ def checkpoint_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
 def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None
                    ) -> tuple[nnx.GraphDef, list[tuple[ParamPath, Any]]]:
   """(graphdef, [(param path, abstract variable)]) of an M3ForCausalLM; nothing is allocated."""
-  abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, kernels=kernels))
+  abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, kernels=kernels,
+                                                   with_vision=cfg.vision is not None))
   graphdef, state = nnx.split(abstract)
   return graphdef, list(nnx.to_flat_state(state))
 
@@ -123,7 +136,7 @@ def place(value: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
 
 def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kernels: str | None = None,
          shardings: Any = None, mesh: jax.sharding.Mesh | None = None,
-         axis_rules: sharding_lib.AxisRules | None = None) -> M3ForCausalLM:
+         axis_rules: sharding_lib.AxisRules | None = None, text_only: bool = False) -> M3ForCausalLM:
   """Loads ``path`` into a ready-to-run model.
 
   Args:
@@ -135,17 +148,21 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
       pytree of Shardings keyed like the parameter state (see m3jax/checkpoint/sharding.py).
     mesh, axis_rules: alternatively, a mesh and logical-axis rules ((logical_name, mesh_axis), ...) applied to
       each parameter's logical axis names.
+    text_only: skip the vision tower + projector even when config.json has a vision_config (by default they are
+      loaded into ``model.vision`` whenever it has one).
 
   Returns:
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
   """
   path = os.fspath(path)
   if converted.is_converted(path):
-    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules)
+    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules, text_only)
   if converted.looks_partial(path):
     raise CheckpointError(f"{path}: has an Orbax '{converted.STATE}' directory but no {converted.MARKER}: an "
                           "incomplete conversion; run `m3jax convert` again")
   cfg = M3Config.from_file(path)
+  if text_only:
+    cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(path)
   layout, rules = plan_text_load(cfg, source)
   dtype = checkpoint_dtype(source, layout) if dtype is None else jnp.dtype(dtype)
@@ -170,9 +187,12 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   return model
 
 
-def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules) -> M3ForCausalLM:
+def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text_only: bool = False
+                    ) -> M3ForCausalLM:
   marker = converted.read_marker(path)
   cfg = M3Config.from_file(path)
+  if text_only:
+    cfg = dataclasses.replace(cfg, vision=None)
   dtype = jnp.dtype(marker["dtype"]) if dtype is None else jnp.dtype(dtype)
   graphdef, flat = abstract_model(cfg, dtype, kernels)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,

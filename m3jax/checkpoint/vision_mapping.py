@@ -32,7 +32,8 @@ def _names(layout: Layout) -> dict[str, str]:
                 linear_1="model.multi_modal_projector.linear_1.", linear_2="model.multi_modal_projector.linear_2.",
                 merge_linear_1="model.multi_modal_projector.merge_linear_1.",
                 merge_linear_2="model.multi_modal_projector.merge_linear_2.")
-  raise ValueError(f"checkpoint layout {layout!r} has no vision tensors; expected one of {VISION_LAYOUTS}")
+  raise ValueError(f"a {layout!r} checkpoint has no vision tensors (vision layouts: {VISION_LAYOUTS}), but config.json "
+                   "has a vision_config; load with text_only=True")
 
 
 def _patch_embed(path, name, dim: int, conv_shape: tuple[int, ...]) -> TensorRule:

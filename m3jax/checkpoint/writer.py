@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -10,15 +11,20 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from m3jax.checkpoint.mapping import Layout, text_rules
+from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.checkpoint.safetensors_dir import INDEX_NAME
 from m3jax.model import M3ForCausalLM
 
 
 def model_tensors(model: M3ForCausalLM, layout: Layout = "original") -> dict[str, np.ndarray]:
-  """Checkpoint tensor name -> numpy array for every text-backbone parameter of ``model``."""
+  """Checkpoint tensor name -> numpy array for every parameter of ``model`` (text backbone, plus the vision
+  tower + projector when ``model.vision`` is built)."""
   params = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out: dict[str, np.ndarray] = {}
-  for rule in text_rules(model.config.text, layout):
+  rules = text_rules(model.config.text, layout)
+  if getattr(model, "vision", None) is not None:
+    rules += vision_rules(model.config, layout)
+  for rule in rules:
     arrays = rule.from_param(params[rule.path])
     for name, arr, shape in zip(rule.sources, arrays, rule.source_shapes):
       assert arr.shape == shape, (name, arr.shape, shape)
@@ -52,5 +58,8 @@ def write_checkpoint(model: M3ForCausalLM, out_dir: str | os.PathLike, *, layout
     with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump(model.config.to_dict(), f, indent=2)
+    config = model.config
+    if getattr(model, "vision", None) is None and config.vision is not None:
+      config = dataclasses.replace(config, vision=None)  # no vision tensors written: no vision_config either
+    json.dump(config.to_dict(), f, indent=2)
   return files
