@@ -40,8 +40,12 @@ def max_routed_tiles(num_tokens: int, top_k: int, num_experts: int, block_m: int
   return min(assignments, (assignments + nonempty * (block_m - 1)) // block_m)
 
 
+_ONEHOT_MAX_ASSIGNMENTS = 4096
+
+
 def build_dispatch(
-    expert_ids: jax.Array, *, num_experts: int, block_m: int, fuse_shared: bool
+    expert_ids: jax.Array, *, num_experts: int, block_m: int, fuse_shared: bool,
+    method: str = "auto",
 ) -> Dispatch:
   """Sorts the [T, K] assignments by expert into block_m-aligned groups.
 
@@ -50,6 +54,8 @@ def build_dispatch(
     num_experts: E.
     block_m: tile rows.
     fuse_shared: prepend ceil(T / block_m) tiles (expert id E) holding every token once.
+    method: "sort" (stable argsort), "onehot" (ranks from a [T*K, E] one-hot cumsum: a few fused
+      ops and no sort, for decode) or "auto" (onehot up to 4096 assignments).
 
   Returns:
     Dispatch.
@@ -63,22 +69,37 @@ def build_dispatch(
   max_tiles = shared_tiles + max_routed_tiles(t, k, num_experts, block_m)
   m_pad = max_tiles * block_m
 
-  counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+  if method == "auto":
+    method = "onehot" if t * k <= _ONEHOT_MAX_ASSIGNMENTS else "sort"
+  if method == "onehot":
+    onehot = (flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :]).astype(jnp.int32)
+    counts = jnp.sum(onehot, axis=0)  # [E]
+  else:
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
   tiles_e = (counts + block_m - 1) // block_m
   tile_end_e = jnp.cumsum(tiles_e)  # inclusive
   tile_start_e = tile_end_e - tiles_e
   group_start_e = jnp.cumsum(counts) - counts  # start of expert e in the sorted order
 
-  order = jnp.argsort(flat, stable=True)  # sorted slot -> assignment index
-  sorted_e = flat[order]
-  rank = jnp.arange(t * k, dtype=jnp.int32) - group_start_e[sorted_e]
-  sorted_row = (shared_tiles + tile_start_e[sorted_e]) * block_m + rank
-  pos = jnp.zeros((t * k,), jnp.int32).at[order].set(sorted_row).reshape(t, k)
+  if method == "onehot":  # rank of each assignment among its expert's, in assignment order
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+    row = (shared_tiles + tile_start_e[flat]) * block_m + rank  # [T*K], assignment order
+    src_token = jnp.arange(t * k, dtype=jnp.int32) // k
+    pos = row.reshape(t, k)
+  elif method == "sort":
+    order = jnp.argsort(flat, stable=True)  # sorted slot -> assignment index
+    sorted_e = flat[order]
+    rank = jnp.arange(t * k, dtype=jnp.int32) - group_start_e[sorted_e]
+    row = (shared_tiles + tile_start_e[sorted_e]) * block_m + rank  # [T*K], sorted order
+    src_token = (order // k).astype(jnp.int32)
+    pos = jnp.zeros((t * k,), jnp.int32).at[order].set(row).reshape(t, k)
+  else:
+    raise ValueError(f"method must be auto, sort or onehot, got {method!r}")
 
   row_token = jnp.zeros((m_pad,), jnp.int32)
   if fuse_shared:
     row_token = row_token.at[:t].set(jnp.arange(t, dtype=jnp.int32))
-  row_token = row_token.at[sorted_row].set((order // k).astype(jnp.int32))
+  row_token = row_token.at[row].set(src_token)
 
   tile_ids = jnp.arange(max_tiles - shared_tiles, dtype=jnp.int32)
   routed_expert = jnp.searchsorted(tile_end_e, tile_ids, side="right").astype(jnp.int32)

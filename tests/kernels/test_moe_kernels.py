@@ -115,10 +115,11 @@ def test_default_decode_tiles(mode):
   _check(args, 4, mode, block_sizes=None)
 
 
-def test_dispatch_layout_invariants():
+@pytest.mark.parametrize("method", ["sort", "onehot"])
+def test_dispatch_layout_invariants(method):
   t, k, e, bm = 40, 3, 6, 16
   ids = jax.random.randint(jax.random.key(0), (t, k), 0, e - 1)  # expert e-1 stays empty
-  d = build_dispatch(ids, num_experts=e, block_m=bm, fuse_shared=True)
+  d = build_dispatch(ids, num_experts=e, block_m=bm, fuse_shared=True, method=method)
   meta, row_token, pos = (np.asarray(a) for a in (d.meta, d.row_token, d.pos))
   assert d.shared_tiles == 3 and meta.shape == (1 + 3 + max_routed_tiles(t, k, e, bm),)
   counts = np.bincount(np.asarray(ids).ravel(), minlength=e)
@@ -129,6 +130,9 @@ def test_dispatch_layout_invariants():
   np.testing.assert_array_equal(meta[1 + tile_of], np.asarray(ids))  # each row sits in its expert's tile
   np.testing.assert_array_equal(row_token[pos], np.repeat(np.arange(t)[:, None], k, 1))
   assert len(np.unique(pos)) == t * k and (tile_of < meta[0]).all()
+  other = build_dispatch(ids, num_experts=e, block_m=bm, fuse_shared=True,
+                         method="onehot" if method == "sort" else "sort")
+  np.testing.assert_array_equal(pos, np.asarray(other.pos))  # both keep assignment order per expert
 
 
 def test_input_validation():
