@@ -55,9 +55,11 @@ def _interpret_params(interpret: Any) -> Any:
 def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> SparseAttentionBlockSizes:
   qpt = max(1, min(bs.queries_per_tile, ROWS_PER_TILE // hpg))
   stages = bs.kv_stages
-  while stages > 1 and SparseAttentionBlockSizes(kv_stages=stages).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
+  while stages > 1 and SparseAttentionBlockSizes(kv_stages=stages, p_in_smem=True).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
     stages -= 1
-  return SparseAttentionBlockSizes(queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits)
+  return SparseAttentionBlockSizes(
+      queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem
+  )
 
 
 def _pad_keys(k, v):
@@ -93,7 +95,8 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   kp, vp = _pad_keys(k, v)
   o, lse = attention_pallas(
       q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
-      check_users=check_users and block_sizes.queries_per_tile > 1, interpret=_interpret_params(interpret),
+      check_users=check_users and block_sizes.queries_per_tile > 1, p_in_smem=block_sizes.p_in_smem,
+      interpret=_interpret_params(interpret),
   )
   return _merge_splits(o, lse)[:, :sq]
 

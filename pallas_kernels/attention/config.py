@@ -19,11 +19,14 @@ class SparseAttentionBlockSizes:
   kv_stages: TMA pipeline depth over key blocks (each stage holds one K and one V block).
   num_splits: CTAs per (tile, KV group) along the block list (flash-decoding); partial outputs are
     merged with their log-sum-exp outside the kernel.
+  p_in_smem: stage P through shared memory for the P.V wgmma instead of keeping it in registers
+    (None: only in interpret mode, which requires it).
   """
 
   queries_per_tile: int = 4
   kv_stages: int = 2
   num_splits: int = 1
+  p_in_smem: bool | None = None
 
   def __post_init__(self):
     if self.queries_per_tile < 1:
@@ -34,8 +37,9 @@ class SparseAttentionBlockSizes:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Query/output tile + K and V stages + per-row vectors."""
-    return (ROWS_PER_TILE + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * ROWS_PER_TILE * 4
+    """Query/output tile + K and V stages + per-row vectors (+ the P tile when staged in smem)."""
+    p_tile = ROWS_PER_TILE * KEY_BLOCK * itemsize if self.p_in_smem else 0
+    return (ROWS_PER_TILE + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * ROWS_PER_TILE * 4 + p_tile
 
 
 def heuristic_block_sizes(

@@ -178,16 +178,15 @@ def attention_pallas(
     scale: softmax scale.
     check_users: False when every listed block is used by every query of the tile (dense plans, or one
       query per tile), which skips the per-block user mask.
-    p_in_smem: stage P through shared memory for the P.V wgmma (None: only in interpret mode, which
-      cannot take wgmma's A operand from registers; on the GPU P stays in registers).
+    p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode, which cannot
+      take wgmma's A operand from registers; by default P stays in registers on the GPU).
 
   Returns:
     (o [S, B, Sq_pad, Nq, D] in q.dtype, lse fp32 [S, B, Sq_pad, Nq] base-2 or None when S == 1).
   """
   b, sq_pad, nq, d = q.shape
   nkv = k.shape[2]
-  if p_in_smem is None:
-    p_in_smem = bool(interpret)
+  p_in_smem = bool(p_in_smem) or bool(interpret)
   hpg = nq // nkv
   qpt = block_sizes.queries_per_tile
   splits = block_sizes.num_splits

@@ -112,9 +112,12 @@ def _indexer_kernel(
       vals, ids = carry
       block = start + idx[0]
       x = _block_max(q_smem, k_smem, block, row_limit, masked=masked)
-      forced = (block > row_qb - local_blocks) | (block < init_blocks)
-      x = jnp.where(forced & (block <= row_qb), jnp.inf, x)
-      return _insert_sorted(vals, ids, x, row_qb * 0 + block)
+      block_ids = row_qb * 0 + block  # the block id as a row vector
+      forced = block_ids > row_qb - local_blocks
+      if init_blocks:
+        forced = forced | (block_ids < init_blocks)
+      x = jnp.where(forced & (block_ids <= row_qb), jnp.inf, x)
+      return _insert_sorted(vals, ids, x, block_ids)
 
     carry = (
         tuple(_row_vector(-jnp.inf, jnp.float32) for _ in range(topk)),

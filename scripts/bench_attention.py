@@ -1,0 +1,274 @@
+"""Benchmarks of the M3 indexer / sparse attention / dense causal kernels at real M3 dims on one GPU.
+
+  PYTHONPATH=$PWD python scripts/bench_attention.py --out $OUT [--sizes 32768,131072] [--quick]
+
+Every kernel result is checked against the pure-XLA reference in the same run before it is timed.
+Times are GPU kernel time summed over all launches of one call (CUPTI via jax's Mosaic GPU profiler;
+launch gaps excluded), median of --iters calls; wall-clock (block_until_ready) if CUPTI is missing.
+Prints a markdown table last and writes it (plus a JSON of all rows) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention import (
+    SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
+    sparse_attention_reference,
+)
+from pallas_kernels.indexer import IndexerBlockSizes, indexer_topk, indexer_topk_reference
+
+NQ, NKV, D, HI, DI, TOPK, BLOCK = 64, 4, 128, 4, 128, 16, 128
+SCALE = D ** -0.5
+ROWS: list[dict] = []
+INTERPRET = False  # --interpret: CPU dry run of this script on tiny sizes (kernels in GPU interpret mode)
+
+
+def gpu_ms(fn, *args, iters=5):
+  """(output, median GPU ms, timer) of fn(*args): CUPTI kernel time if available, else wall clock."""
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    out, times = profiler.measure(fn, iterations=iters)(*args)
+    times = times if isinstance(times, list) else [times]
+    return out, statistics.median(times), "cupti"
+  except Exception:  # noqa: BLE001 - fall back to wall clock
+    out = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append((time.perf_counter() - t0) * 1e3)
+    return out, statistics.median(times), "wall"
+
+
+def record(section, **kw):
+  row = dict(section=section, **kw)
+  ROWS.append(row)
+  print(json.dumps(row), flush=True)
+
+
+def guarded(fn):
+  @functools.wraps(fn)
+  def run(*a, **k):
+    try:
+      fn(*a, **k)
+    except Exception as e:  # noqa: BLE001 - keep benchmarking the other sections
+      record(fn.__name__, args=str(a), error=f"{type(e).__name__}: {str(e)[:600]}")
+      traceback.print_exc()
+  return run
+
+
+def rel_err(got, ref):
+  got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+  return float(np.linalg.norm(got - ref) / np.linalg.norm(ref)), bool(np.isfinite(got).all())
+
+
+def set_match(got, ref):
+  """Fraction of rows whose selected id sets equal the reference's."""
+  got, ref = np.asarray(got), np.asarray(ref)
+  g = np.sort(np.where(got < 0, 1 << 30, got), -1)
+  r = np.sort(np.where(ref < 0, 1 << 30, ref), -1)
+  return float((g == r).all(-1).mean())
+
+
+@guarded
+def ceilings():
+  n = (1 << 16) if INTERPRET else (1 << 30)
+  x = jnp.ones((n,), jnp.float32)  # 4 GiB
+  _, ms, how = gpu_ms(jax.jit(lambda a: a * 2.0), x)
+  record("ceiling", what="copy x*2 (read+write) GB/s", value=round(8 * n / ms / 1e6, 1), timer=how)
+  m = 256 if INTERPRET else 8192
+  a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
+  _, ms, how = gpu_ms(jax.jit(lambda a, b: a @ b), a, a)
+  record("ceiling", what=f"bf16 matmul {m}^3 TFLOP/s", value=round(2 * m**3 / ms / 1e9, 1), timer=how)
+
+
+def index_inputs(b, s, correlated=False, seed=0):
+  kq, kk, kb = jax.random.split(jax.random.key(seed), 3)
+  idx_q = jax.random.normal(kq, (b, s, HI, DI), jnp.float32)
+  if correlated:  # queries of one 64-token window share a base direction -> overlapping selections
+    base = jax.random.normal(kb, (b, -(-s // 64), HI, DI), jnp.float32)
+    idx_q = 0.3 * idx_q + jnp.repeat(base, 64, axis=1)[:, :s]
+  idx_k = jax.random.normal(kk, (b, s, DI), jnp.float32)
+  return idx_q.astype(jnp.bfloat16), idx_k.astype(jnp.bfloat16)
+
+
+def qkv(b, sq, sk, seed=1):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(kq, (b, sq, NQ, D), jnp.bfloat16), jax.random.normal(kk, (b, sk, NKV, D), jnp.bfloat16),
+          jax.random.normal(kv, (b, sk, NKV, D), jnp.bfloat16))
+
+
+@guarded
+def indexer_prefill(s, with_ref):
+  idx_q, idx_k = index_inputs(1, s)
+  pos = jnp.arange(s, dtype=jnp.int32)[None]
+  flops = 2 * HI * DI * s * (s + 1) / 2
+  kw = dict(block_size=BLOCK, topk=TOPK, local_blocks=1)
+  ref = None
+  if with_ref:
+    fn = jax.jit(functools.partial(indexer_topk_reference, **kw))
+    ref, ms, how = gpu_ms(fn, idx_q, idx_k, pos, iters=1 if s > 40000 else 3)
+    record("indexer_prefill", S=s, variant="xla_reference", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), timer=how)
+  for name, bs in (("fused_topk", IndexerBlockSizes(kv_stages=2, fused_topk=True)),
+                   ("fused_topk_s3", IndexerBlockSizes(kv_stages=3, fused_topk=True)),
+                   ("scores+lax.top_k", IndexerBlockSizes(kv_stages=2, fused_topk=False))):
+    fn = jax.jit(functools.partial(indexer_topk, block_sizes=bs, interpret=INTERPRET, **kw))
+    out, ms, how = gpu_ms(fn, idx_q, idx_k, pos, iters=5 if s <= 40000 else 3)
+    match = set_match(out, ref) if ref is not None else None
+    record("indexer_prefill", S=s, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+           set_match=match, timer=how)
+
+
+def attended_flops(ids, pos):
+  """4*D*heads_per_group per attended (query, group, key) over the selected blocks (token-causal)."""
+  ids, pos = np.asarray(ids).astype(np.int64), np.asarray(pos).astype(np.int64)
+  keys = np.where(ids >= 0, np.clip(pos[:, :, None, None] - ids * BLOCK + 1, 0, BLOCK), 0)
+  return 4 * D * (NQ // NKV) * float(keys.sum())
+
+
+@guarded
+def sparse_prefill(s, correlated, with_ref, variants):
+  q, k, v = qkv(1, s, s)
+  idx_q, idx_k = index_inputs(1, s, correlated)
+  pos = jnp.arange(s, dtype=jnp.int32)[None]
+  ids = indexer_topk(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1, interpret=INTERPRET)
+  flops = attended_flops(ids, pos)
+  sel = "correlated" if correlated else "random"
+  ref = None
+  if with_ref:
+    fn = jax.jit(functools.partial(sparse_attention_reference, block_size=BLOCK, scale=SCALE))
+    ref, ms, how = gpu_ms(fn, q, k, v, ids, pos, iters=1 if s > 40000 else 3)
+    record("sparse_prefill", S=s, selection=sel, variant="xla_reference", ms=round(ms, 3),
+           tflops=round(flops / ms / 1e9, 1), timer=how)
+  for name, bs in variants:
+    fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=SCALE, block_sizes=bs, interpret=INTERPRET))
+    out, ms, how = gpu_ms(fn, q, k, v, ids, pos, iters=5 if s <= 40000 else 2)
+    err = rel_err(out, ref) if ref is not None else None
+    record("sparse_prefill", S=s, selection=sel, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+           rel_err=err, timer=how)
+
+
+@guarded
+def dense_prefill(s, with_ref):
+  q, k, v = qkv(1, s, s)
+  pos = jnp.arange(s, dtype=jnp.int32)[None]
+  flops = 4 * D * NQ * s * (s + 1) / 2
+  ref = None
+  if with_ref:
+    fn = jax.jit(functools.partial(causal_attention_reference, scale=SCALE))
+    ref, ms, how = gpu_ms(fn, q, k, v, pos, iters=1 if s > 40000 else 3)
+    record("dense_prefill", S=s, variant="xla_reference", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+           timer=how)
+  for name, kw in (("cudnn (causal_attention)", dict(use_cudnn=None)),
+                   ("pallas dense plan", dict(use_cudnn=False))):
+    fn = jax.jit(functools.partial(causal_attention, scale=SCALE, interpret=INTERPRET, **kw))
+    out, ms, how = gpu_ms(fn, q, k, v, pos, iters=5 if s <= 40000 else 2)
+    err = rel_err(out, ref) if ref is not None else None
+    record("dense_prefill", S=s, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), rel_err=err,
+           timer=how)
+
+
+def decode_layer(idx_q, idx_k, q, k, v, pos, *, reference=False):
+  """One sparse layer's decode attention: indexer -> top-16 -> sparse attention."""
+  if reference:
+    ids = indexer_topk_reference(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1)
+    return sparse_attention_reference(q, k, v, ids, pos, block_size=BLOCK, scale=SCALE)
+  ids = indexer_topk(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1, interpret=INTERPRET)
+  return sparse_attention(q, k, v, ids, pos, block_size=BLOCK, scale=SCALE, interpret=INTERPRET)
+
+
+@guarded
+def decode(b, s, bandwidth_gbs):
+  idx_q, idx_k = index_inputs(b, s)
+  idx_q = idx_q[:, :1]
+  q, k, v = qkv(b, 1, s)
+  pos = (s - 1 - jax.random.randint(jax.random.key(5), (b, 1), 0, 1000)).astype(jnp.int32)
+  bytes_read = b * (s * DI * 2 + NKV * TOPK * BLOCK * D * 2 * 2 + NQ * D * 2 + HI * DI * 2)
+  roof_us = bytes_read / (bandwidth_gbs * 1e3)
+  fn = jax.jit(decode_layer)
+  ref_fn = jax.jit(functools.partial(decode_layer, reference=True))
+  ref, ref_ms, _ = gpu_ms(ref_fn, idx_q, idx_k, q, k, v, pos, iters=3)
+  out, ms, how = gpu_ms(fn, idx_q, idx_k, q, k, v, pos, iters=10)
+  err = rel_err(out, ref)
+  record("decode", B=b, S=s, us=round(ms * 1e3, 1), roofline_us=round(roof_us, 1), x_roofline=round(ms * 1e3 / roof_us, 2),
+         xla_reference_us=round(ref_ms * 1e3, 1), rel_err=err, timer=how)
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, per_kernel = profiler.measure(fn, aggregate=False)(idx_q, idx_k, q, k, v, pos)
+    record("decode_kernels", B=b, S=s, kernels=[(n[:60], round(t * 1e3, 1)) for n, t in per_kernel])
+  except Exception:  # noqa: BLE001
+    pass
+
+
+def table() -> str:
+  lines = ["| section | case | variant | time | rate | check |", "|---|---|---|---|---|---|"]
+  for r in ROWS:
+    if "error" in r:
+      lines.append(f"| {r['section']} | {r.get('args', '')[:40]} | ERROR | | | {r['error'][:120]} |")
+    elif r["section"] == "ceiling":
+      lines.append(f"| ceiling | {r['what']} | | | {r['value']} | |")
+    elif r["section"] == "decode":
+      lines.append(f"| decode | B={r['B']} S={r['S']} | indexer+top16+sparse | {r['us']} us | "
+                   f"{r['x_roofline']}x roofline ({r['roofline_us']} us); XLA ref {r['xla_reference_us']} us | "
+                   f"rel_err={r['rel_err']} |")
+    elif r["section"] == "decode_kernels":
+      continue
+    else:
+      case = f"S={r['S']}" + (f" {r['selection']}" if "selection" in r else "")
+      check = r.get("rel_err") or r.get("set_match")
+      lines.append(f"| {r['section']} | {case} | {r['variant']} | {r['ms']} ms | {r['tflops']} TFLOP/s | {check} |")
+  return "\n".join(lines)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--out", default=".")
+  ap.add_argument("--sizes", default="32768,131072")
+  ap.add_argument("--quick", action="store_true", help="fewer variants, no 128K XLA references")
+  ap.add_argument("--decode", default="1x32768,8x32768,32x32768,64x32768,1x131072", help="BxS list")
+  ap.add_argument("--interpret", action="store_true", help="CPU dry run (use tiny --sizes/--decode)")
+  args = ap.parse_args()
+  global INTERPRET
+  INTERPRET = args.interpret
+  sizes = [int(x) for x in args.sizes.split(",") if x]
+  print(jax.devices(), flush=True)
+  ceilings()
+  bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
+  variants = [
+      ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
+      ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
+      ("Q=4 P-in-smem", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2, p_in_smem=True)),
+      ("Q=1 stages=2", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=2)),
+  ]
+  if INTERPRET:
+    variants = variants[:1]
+  for s in sizes:
+    with_ref = s <= 40000 or not args.quick
+    indexer_prefill(s, with_ref)
+    sparse_prefill(s, False, with_ref, variants if s <= 40000 else variants[:2])
+    sparse_prefill(s, True, False, variants[:2] + variants[3:] if not INTERPRET else variants)
+    dense_prefill(s, s <= 40000)
+  for case in filter(None, args.decode.split(",")):
+    b, s = map(int, case.split("x"))
+    decode(b, s, bw)
+  md = table()
+  print(md)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "bench_attention.md").write_text(md + "\n")
+  (out / "bench_attention.json").write_text(json.dumps(ROWS, indent=1))
+
+
+if __name__ == "__main__":
+  main()
