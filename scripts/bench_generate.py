@@ -111,6 +111,19 @@ def with_kernels(model: M3ForCausalLM, kernels: str) -> M3ForCausalLM:
   return nnx.merge(graphdef, nnx.state(model))
 
 
+def check_logits(model: M3ForCausalLM, kernels: list[str], length: int) -> dict[str, float]:
+  """max|d| / max|ref| of full-forward logits (batch 2, ``length`` tokens) of each kernel choice vs reference."""
+  ids = jax.random.randint(jax.random.key(7), (2, length), 0, model.config.text.vocab_size, jnp.int32)
+  ref = np.asarray(with_kernels(model, "reference")(ids))
+  errors = {}
+  for k in kernels:
+    if k != "reference":
+      got = np.asarray(with_kernels(model, k)(ids))
+      errors[k] = float(np.abs(got - ref).max() / np.abs(ref).max())
+      print(f"  check kernels={k}: logits max|d|/max|ref| = {errors[k]:.2e} over {ids.shape} tokens", flush=True)
+  return errors
+
+
 def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, repeats: int) -> dict:
   t = model.config.text
   graphdef, state = nnx.split(model)
@@ -130,10 +143,20 @@ def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, r
 
   cache_len = context + 128
 
+  fill_chunk = 256  # the reference MoE (lax.ragged_dot) materialises [tokens*K, E*H] on GPU: keep chunks small
+
   @jax.jit
   def fill(state, ids):
+    """Prefills the caches with ids [B, context] in chunks of fill_chunk tokens; returns last logits + caches."""
+    model = nnx.merge(graphdef, state)
     b = ids.shape[0]
-    return _prefill(nnx.merge(graphdef, state), ids, jnp.full((b,), ids.shape[1], jnp.int32), cache_len)
+    caches = model.init_caches(b, cache_len)
+    for start in range(0, ids.shape[1], fill_chunk):
+      chunk = ids[:, start:start + fill_chunk]
+      pos = jnp.broadcast_to(jnp.arange(start, start + chunk.shape[1], dtype=jnp.int32), chunk.shape)
+      out = model.forward(chunk, positions=pos, caches=caches, logits_at=jnp.full((b,), chunk.shape[1] - 1))
+      caches = out.caches
+    return out.logits[:, 0], caches
 
   @jax.jit
   def step(state, tok, pos, caches):
@@ -168,7 +191,10 @@ def main() -> None:
         f"{time.perf_counter() - start:.1f}s", flush=True)
   lengths, batches, context = ((64, 128), (1, 2), 64) if args.smoke else ((4096, 8192), (1, 8), 2048)
   report = {"device": jax.devices()[0].device_kind, "params": n_params, "hf_baseline": HF_BASELINE, "runs": {}}
-  for kernels in args.kernels.split(","):
+  choices = args.kernels.split(",")
+  if len(choices) > 1 or choices[0] != "reference":
+    report["logits_check_vs_reference"] = check_logits(base, choices, 64 if args.smoke else 1024)
+  for kernels in choices:
     print(f"kernels={kernels}", flush=True)
     try:
       report["runs"][kernels] = bench(with_kernels(base, kernels), lengths, batches, context, args.repeats)
