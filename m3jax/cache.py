@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from m3jax import logical_axes as ax
+from m3jax.sharding import constrain
 
 
 @jax.tree_util.register_dataclass
@@ -39,7 +40,13 @@ class LayerCache:
             dtype: jnp.dtype) -> "LayerCache":
     kv = jnp.zeros((batch, max_length, num_kv_heads, head_dim), dtype)
     idx = None if index_head_dim is None else jnp.zeros((batch, max_length, index_head_dim), dtype)
-    return cls(k=kv, v=kv, idx_k=idx)
+    return cls(k=kv, v=kv, idx_k=idx).constrained()
+
+  def constrained(self) -> "LayerCache":
+    """This cache laid out by the active sharding plan (``LOGICAL_AXES``; m3jax.sharding); identity without."""
+    idx = None if self.idx_k is None else constrain(self.idx_k, self.LOGICAL_AXES["idx_k"])
+    return LayerCache(k=constrain(self.k, self.LOGICAL_AXES["k"]), v=constrain(self.v, self.LOGICAL_AXES["v"]),
+                      idx_k=idx)
 
   def write(self, positions: jax.Array, k: jax.Array, v: jax.Array, idx_k: jax.Array | None) -> "LayerCache":
     """Stores new entries at [b, positions[b, s]]: k/v [B, S, Nkv, D], idx_k [B, S, Di]."""
@@ -51,4 +58,4 @@ class LayerCache:
       if idx_k is None:
         raise ValueError("this layer's cache holds index keys; idx_k must be given")
       new_idx = self.idx_k.at[b, positions].set(idx_k.astype(self.idx_k.dtype), mode="drop")
-    return LayerCache(k=new_k, v=new_v, idx_k=new_idx)
+    return LayerCache(k=new_k, v=new_v, idx_k=new_idx).constrained()

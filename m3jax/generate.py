@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from m3jax import sharding
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, sample
 
@@ -122,7 +123,7 @@ def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, max
   init = (jnp.int32(0), logits, caches, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
           jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), key)
   _, _, _, tokens, new_lengths, _, _ = jax.lax.while_loop(cond, body, init)
-  return tokens, new_lengths
+  return sharding.replicated(tokens, model.sharding_plan), sharding.replicated(new_lengths, model.sharding_plan)
 
 
 def generate(
@@ -159,9 +160,10 @@ def generate(
   eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
   eos_arr = jnp.asarray(list(eos) or [-1], jnp.int32)
   graphdef, state = nnx.split(model)
+  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)  # global inputs (multi-host)
   tokens, new_lengths = _generate_jit(
-      graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), jax.random.key(seed), eos_arr,
-      jnp.int32(pad_token_id), max_new_tokens=max_new_tokens, sampling=sampling, cache_len=cache_len)
+      graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)), put(eos_arr),
+      put(np.int32(pad_token_id)), max_new_tokens=max_new_tokens, sampling=sampling, cache_len=cache_len)
   return GenerateOutput(tokens=np.asarray(tokens), lengths=np.asarray(new_lengths))
 
 
@@ -173,9 +175,10 @@ def _prefill_jit(graphdef, state, prompt, lengths, *, cache_len: int):
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("caches",))
 def _decode_jit(graphdef, state, logits, caches, positions, key, *, sampling: SamplingParams):
   """Samples from ``logits`` and runs one decode step: -> (tokens [B], next logits [B, V], caches)."""
+  model = nnx.merge(graphdef, state)
   tok = sample(logits, key, sampling)
-  logits, caches = _decode(nnx.merge(graphdef, state), tok, positions, caches)
-  return tok, logits, caches
+  logits, caches = _decode(model, tok, positions, caches)
+  return sharding.replicated(tok, model.sharding_plan), logits, caches
 
 
 def generate_stream(
@@ -201,8 +204,9 @@ def generate_stream(
   cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
   eos = set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids)
   graphdef, state = nnx.split(model)
+  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)  # global inputs (multi-host)
   start = time.perf_counter()
-  logits, caches = _prefill_jit(graphdef, state, jnp.asarray(padded), jnp.asarray(lengths), cache_len=cache_len)
+  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), cache_len=cache_len)
   if timings is not None:
     logits.block_until_ready()
     timings["prefill_s"] = time.perf_counter() - start
@@ -210,7 +214,7 @@ def generate_stream(
   done = np.zeros(len(lengths), bool)
   for step in range(max_new_tokens):
     key, sub = jax.random.split(key)
-    tok, logits, caches = _decode_jit(graphdef, state, logits, caches, jnp.asarray(lengths + step), sub,
+    tok, logits, caches = _decode_jit(graphdef, state, logits, caches, put(lengths + step), put(sub),
                                       sampling=sampling)
     tok = np.asarray(tok)
     out = np.where(done, -1, tok).astype(np.int32)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax import logical_axes as ax
+from m3jax import sharding
 from m3jax.cache import LayerCache
 from m3jax.config import M3Config
 from m3jax.layers.decoder import DecoderLayer
@@ -61,12 +62,17 @@ class M3ForCausalLM(nnx.Module):
     if with_vision and config.vision is None:
       raise ValueError("with_vision=True needs a config with a vision_config")
     self.vision = VisionModel(config, dtype=dtype, rngs=rngs) if with_vision else None
+    # Mesh + logical-axis rules (m3jax.sharding.ShardingPlan), set by m3jax.load(mesh=...) / shard_model.
+    self.sharding_plan: sharding.ShardingPlan | None = None
 
+  @sharding.uses_model_plan
   def init_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
-    """Zeroed per-layer caches for ``batch`` sequences of up to ``max_length`` tokens."""
+    """Zeroed per-layer caches for ``batch`` sequences of up to ``max_length`` tokens (laid out by the
+    sharding plan, with KV heads repeated when the tensor axis has more ranks than KV heads)."""
     cfg = self.config.text
+    kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
     return tuple(
-        LayerCache.zeros(batch, max_length, cfg.num_kv_heads, cfg.head_dim,
+        LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim,
                          cfg.index_head_dim if kind == "sparse" else None, dtype or self.dtype)
         for kind in cfg.attention_types)
 
@@ -74,6 +80,7 @@ class M3ForCausalLM(nnx.Module):
     """input_ids int [B, S] -> embeddings [B, S, H] (plain lookup, no scaling)."""
     return jnp.take(self.embed[...], input_ids, axis=0)
 
+  @sharding.uses_model_plan
   def forward(
       self,
       input_ids: jax.Array,
@@ -111,6 +118,7 @@ class M3ForCausalLM(nnx.Module):
     if caches is not None and len(caches) != cfg.num_layers:
       raise ValueError(f"got {len(caches)} layer caches for {cfg.num_layers} layers")
     h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
+    h = sharding.constrain(h, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     new_caches, records = [], []
     for i, layer in enumerate(self.layers):
@@ -122,7 +130,8 @@ class M3ForCausalLM(nnx.Module):
     if logits_at is not None:
       hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None], axis=1)
     head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    logits = project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32)
+    logits = sharding.constrain(project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32),
+                                (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
     return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden,
                          intermediates=None if collect is None else tuple(records))
 

@@ -17,6 +17,7 @@ from m3jax.ops import attention as attention_ops
 from m3jax.ops import indexer as indexer_ops
 from m3jax.ops.dispatch import KernelChoice
 from m3jax.research import Collect, attention_probs
+from m3jax.sharding import constrain, head_replication
 from pallas_kernels._chunking import chunked_over_queries
 from pallas_kernels.indexer.reference import index_block_scores_reference
 
@@ -72,12 +73,18 @@ class Attention(nnx.Module):
     cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
     ``record`` holds what ``collect`` asks for (m3jax.research); empty by default.
     """
+    # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
+    x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
     q = apply_partial_rope(self.q_norm(project("bsh,hnd->bsnd", x, self.q_proj[...])), cos, sin)
     k = apply_partial_rope(self.k_norm(project("bsh,hnd->bsnd", x, self.k_proj[...])), cos, sin)
     v = project("bsh,hnd->bsnd", x, self.v_proj[...])
     idx_q = idx_k = None
     if self.indexer is not None:
       idx_q, idx_k = self.indexer(x, cos, sin)
+    r = head_replication(k.shape[2])  # > 1 only with more tensor ranks than KV heads (vLLM's replication)
+    if r > 1:  # KV group g becomes heads g*r .. g*r+r-1: same GQA grouping, one head (or more) per rank
+      k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+      idx_q = None if idx_q is None else jnp.repeat(idx_q, r, axis=2)
     if cache is not None:
       cache = cache.write(positions, k, v, idx_k)
       k, v, idx_k = cache.k, cache.v, cache.idx_k
@@ -91,7 +98,9 @@ class Attention(nnx.Module):
           local_blocks=self.local_blocks, init_blocks=self.init_blocks, kernels=self.kernels)
       out = attention_ops.sparse_attention(q, k, v, block_ids, positions, block_size=self.block_size,
                                            scale=scale, kernels=self.kernels)
-    record = {} if collect is None else self._record(collect, q, k, idx_q, idx_k, positions, block_ids, scale)
+    record = {} if collect is None else self._record(
+        collect, q, k[:, :, ::r], None if idx_q is None else idx_q[:, :, ::r], idx_k, positions,
+        None if block_ids is None else block_ids[:, :, ::r], scale)
     return project("bsnd,ndh->bsh", out, self.o_proj[...]), cache, record
 
   def _record(self, collect: Collect, q, k, idx_q, idx_k, positions, block_ids, scale) -> dict[str, jax.Array]:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from m3jax import logical_axes as ax
 from m3jax.cache import LayerCache
 from m3jax.config import TextConfig
 from m3jax.layers.attention import Attention
@@ -13,6 +14,9 @@ from m3jax.layers.mlp import DenseMLP, MoE
 from m3jax.layers.norms import RMSNorm
 from m3jax.ops.dispatch import KernelChoice
 from m3jax.research import Collect
+from m3jax.sharding import constrain
+
+_RESIDUAL = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
 
 
 class DecoderLayer(nnx.Module):
@@ -37,9 +41,9 @@ class DecoderLayer(nnx.Module):
     """h [B,S,H] -> ([B,S,H], updated cache, research record (empty unless ``collect``))."""
     attn_out, cache, record = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache,
                                         collect=collect)
-    h = h + attn_out
+    h = constrain(h + attn_out, _RESIDUAL)
     mlp_in = self.post_attention_norm(h)
-    h = h + self.mlp(mlp_in)
+    h = constrain(h + self.mlp(mlp_in), _RESIDUAL)
     if collect is not None and collect.routing and isinstance(self.mlp, MoE):
       record.update(self.mlp.routing(mlp_in))
     if collect is not None and collect.residual:

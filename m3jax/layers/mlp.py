@@ -49,12 +49,10 @@ class MoE(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [B, S, H] -> [B, S, H]."""
-    flat = x.reshape(-1, x.shape[-1])
-    y = moe_ops.moe_block(
-        flat, self.router[...], self.correction_bias[...], self.w_gate_up[...], self.w_down[...],
+    return moe_ops.moe_block(
+        x, self.router[...], self.correction_bias[...], self.w_gate_up[...], self.w_down[...],
         self.shared.gate_up[...], self.shared.down[...], top_k=self.top_k, routed_scaling_factor=self.scale,
         swiglu_alpha=self.alpha, swiglu_limit=self.limit, kernels=self.kernels)
-    return y.reshape(x.shape)
 
   def routing(self, x: jax.Array) -> dict[str, jax.Array]:
     """Router intermediates for x [B, S, H]: router_logits fp32 [B,S,E], expert_ids int32 [B,S,K],

@@ -1,0 +1,101 @@
+"""Expert-parallel MoE block under ``shard_map``: gather / scatter token dispatch.
+
+Routed experts are split over the mesh axes of the ``experts`` rule (``expert x tensor``): each device holds
+E / N whole experts. Per device:
+
+  1. all-gather the tokens of the devices that share its token set but hold other experts (the token axes
+     that are also expert axes; nothing to gather when tokens are replicated, e.g. decode);
+  2. route every gathered token (fp32 router, replicated weights: the same choice on every device);
+  3. run only the assignments that hit a local expert (sorted grouped GEMMs, ``ragged_dot``; the others
+     are sorted past the last group and contribute exact zeros);
+  4. reduce-scatter the fp32 partial sums back to the token shards (psum over expert axes that did not
+     gather).
+
+The shared expert runs outside shard_map as a tensor-parallel dense MLP. Why gather/scatter and not
+``ragged_all_to_all``: XLA:CPU does not implement ragged-all-to-all (UNIMPLEMENTED), so that dispatch could
+not be tested here; see README "Sharding".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from m3jax import logical_axes as ax
+from m3jax.sharding import ShardingPlan, constrain, spec_axes
+from pallas_kernels.moe.reference import gated_mlp, route_reference, swiglu_oai
+
+
+def local_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, first: jax.Array,
+                  w_gate_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float) -> jax.Array:
+  """The contribution of experts [first, first + E_local) to every token.
+
+  Args:
+    x: [T, H]; weights fp32 [T, K]; expert_ids int32 [T, K] (global ids); first: int32 scalar.
+    w_gate_up: [E_local, H, 2I]; w_down: [E_local, I, H].
+
+  Returns:
+    fp32 [T, H]: sum over the token's local assignments of weight * expert(x) (zeros elsewhere).
+  """
+  t, k = expert_ids.shape
+  e_local = w_gate_up.shape[0]
+  local = (expert_ids >= first) & (expert_ids < first + e_local)
+  flat = jnp.where(local, expert_ids - first, e_local).reshape(-1)  # non-local -> past the last group
+  order = jnp.argsort(flat, stable=True)
+  token_of = order // k
+  group_sizes = jnp.sum(flat[None, :] == jnp.arange(e_local, dtype=flat.dtype)[:, None], axis=1,
+                        dtype=jnp.int32)
+  xs = x[token_of]
+  hdn = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+  act = swiglu_oai(hdn, alpha=alpha, limit=limit).astype(x.dtype)
+  out = jax.lax.ragged_dot(act, w_down.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+  w = jnp.where(local, weights, 0.0).reshape(-1)[order]
+  out = jnp.where((w != 0)[:, None], out * w[:, None], 0.0)  # rows past the groups are never read
+  return jax.ops.segment_sum(out, token_of, num_segments=t)
+
+
+def moe_block(plan: ShardingPlan, x: jax.Array, router_w: jax.Array, correction_bias: jax.Array,
+              w_gate_up: jax.Array, w_down: jax.Array, shared_gate_up: jax.Array, shared_down: jax.Array, *,
+              top_k: int, routed_scaling_factor: float, swiglu_alpha: float, swiglu_limit: float) -> jax.Array:
+  """The M3 MoE block (moe_block_reference's contract) with expert parallelism.
+
+  Args:
+    plan: the active sharding plan (multi-device).
+    x: [B, S, H] (token sharding from the act_batch / act_seq rules).
+    other weights: as pallas_kernels.moe.reference (w_gate_up [E, H, 2I], w_down [E, I, H]).
+
+  Returns:
+    [B, S, H] in x.dtype.
+  """
+  b, s, h = x.shape
+  num_experts = router_w.shape[1]
+  tok = plan.spec((ax.ACT_BATCH, ax.ACT_SEQ), (b, s))
+  token_axes = spec_axes(tok[0]) + spec_axes(tok[1])
+  expert_axes = spec_axes(plan.spec((ax.EXPERTS,))[0])
+  if num_experts % max(1, plan.axis_product(ax.EXPERTS)):
+    raise ValueError(f"{num_experts} experts do not split over {expert_axes}")
+  x = constrain(x, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+  flat = x.reshape(b * s, h)
+  gather = tuple(a for a in token_axes if a in expert_axes)
+  reduce = tuple(a for a in expert_axes if a not in gather)
+
+  def per_device(x_l, router_l, bias_l, wgu_l, wd_l):
+    xg = jax.lax.all_gather(x_l, gather, axis=0, tiled=True) if gather else x_l
+    weights, ids, _ = route_reference(xg, router_l, bias_l, top_k=top_k)
+    first = (jax.lax.axis_index(expert_axes) if expert_axes else 0) * wgu_l.shape[0]
+    y = local_experts(xg, weights, ids, jnp.asarray(first, jnp.int32), wgu_l, wd_l, alpha=swiglu_alpha,
+                      limit=swiglu_limit)
+    if gather:
+      y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+    if reduce:
+      y = jax.lax.psum(y, reduce)
+    return y
+
+  tok_spec = P(token_axes or None, None)
+  w_spec = P(expert_axes or None, None, None)
+  routed = jax.shard_map(per_device, mesh=plan.mesh, in_specs=(tok_spec, P(), P(), w_spec, w_spec),
+                         out_specs=tok_spec, check_vma=False)(flat, router_w, correction_bias, w_gate_up, w_down)
+  shared = gated_mlp(flat, shared_gate_up, shared_down, alpha=swiglu_alpha, limit=swiglu_limit)
+  y = (routed * routed_scaling_factor + shared.astype(jnp.float32)).astype(x.dtype)
+  return y.reshape(b, s, h)
