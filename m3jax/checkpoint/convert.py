@@ -103,7 +103,7 @@ class _Progress:
 
 
 def extra_category(name: str) -> str:
-  """'mtp' for MTP tensors, 'vision' for the vision tower / projectors (names the text model skips)."""
+  """'mtp' for MTP tensors, 'vision' for the vision tower / projectors (names the text backbone skips)."""
   return "mtp" if name.startswith("mtp.") or ".mtp." in name else "vision"
 
 
@@ -119,7 +119,7 @@ def _extra_dtype(name: str, stored: str, target: np.dtype) -> np.dtype:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None = "auto", layout: str = "auto",
-            force: bool = False, keep_mtp: bool = True, keep_vision: bool = False,
+            force: bool = False, keep_mtp: bool = True, text_only: bool = False,
             max_piece_bytes: int = DEFAULT_PIECE_BYTES, progress: bool = True) -> ConvertSummary:
   """Converts safetensors checkpoint ``src`` into an m3jax Orbax checkpoint at ``dst``.
 
@@ -129,7 +129,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     dtype: 'auto' (the checkpoint's own: embedding dtype), 'bfloat16' or 'float32'. Quantized weights are
       dequantized to it; router weights stay fp32.
     layout: 'auto' | 'original' | 'hf' | 'hf_text'.
-    keep_mtp / keep_vision: keep ``mtp.*`` / vision tensors in their own subtrees (else skipped and listed).
+    keep_mtp: keep the ``mtp.*`` tensors in their own subtree (else they are skipped and listed).
+    text_only: drop the vision tower + projector (the output config then has no vision_config).
     max_piece_bytes: stacked experts are built and written in groups of at most this many bytes.
     progress: show a tqdm bar.
   """
@@ -143,6 +144,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
   if dtype not in (None, "auto") and str(dtype) not in DTYPES:
     raise ValueError(f"unknown dtype {dtype!r}; expected auto, bfloat16 or float32")
   cfg = M3Config.from_file(src)
+  if text_only:
+    cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(src)
   layout_, rules = plan_text_load(cfg, source, None if layout == "auto" else layout)  # type: ignore[arg-type]
   target = checkpoint_dtype(source, layout_) if dtype in (None, "auto") else jnp.dtype(DTYPES[str(dtype)])
@@ -162,8 +165,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     used += rule.sources
   used_set = set(used)
 
-  # Extra tensors: MTP / vision (kept raw in their own subtrees) or skipped.
-  extras: dict[str, dict[str, str]] = {converted.MTP: {}, converted.VISION: {}}
+  # Extra tensors: MTP (kept raw in its own subtree) or skipped, like the vision tensors of a text-only run.
+  extras: dict[str, dict[str, str]] = {converted.MTP: {}}
   skipped: dict[str, list[str]] = collections.defaultdict(list)
   extra_plans = []
   head = prefixes(layout_)[1]
@@ -174,11 +177,10 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
       skipped["tied lm_head"].append(name)
       continue
     category = extra_category(name)
-    keep = keep_mtp if category == "mtp" else keep_vision
-    if not keep:
+    if category != "mtp" or not keep_mtp:
       skipped[category].append(name)
       continue
-    rel = mtp_relative(name) if category == "mtp" else name
+    rel = mtp_relative(name)
     extras[category][rel] = name
     extra_plans.append((converted.extra_key(category, rel), name, _extra_dtype(name, source.dtype(name), target)))
   skipped["activation scales"] = list(source.activation_scales)

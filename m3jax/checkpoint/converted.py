@@ -2,11 +2,11 @@
 
   DST/config.json              normalised config (M3Config.to_dict())
   DST/m3jax_checkpoint.json    marker + provenance (written last; a directory without it is not a checkpoint)
-  DST/state/                   one Orbax PyTree checkpoint with three subtrees:
-      model/...                  the M3ForCausalLM parameters, keyed by their nnx paths (layers/3/mlp/w_gate_up)
+  DST/state/                   one Orbax PyTree checkpoint with two subtrees:
+      model/...                  the M3ForCausalLM parameters (vision tower included when config.json has a
+                                 vision_config), keyed by their nnx paths (layers/3/mlp/w_gate_up)
       mtp/...                    MTP tensors (``*.mtp.*``) under their checkpoint names relative to 'mtp.'
                                  (layers/0/enorm/weight), cast to the target dtype, router gates kept fp32
-      vision/...                 (only with --keep-vision) vision/projector tensors under their source names
   DST/tokenizer.json, chat_template.*, ...   copied from the source
 """
 
@@ -27,8 +27,8 @@ MARKER = "m3jax_checkpoint.json"
 STATE = "state"
 FORMAT = "m3jax-orbax"
 VERSION = 1
-MODEL, MTP, VISION = "model", "mtp", "vision"
-EXTRA_TREES = (MTP, VISION)
+MODEL, MTP = "model", "mtp"
+EXTRA_TREES = (MTP,)
 
 ParamPath = tuple[Any, ...]
 
@@ -70,9 +70,11 @@ def state_dir(path: str | os.PathLike) -> str:
   return os.path.join(os.fspath(path), STATE)
 
 
-def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]]) -> dict[orbax_io.KeyPath, orbax_io.LeafInfo]:
+def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]], ignore: tuple[str, ...] = ()
+                 ) -> dict[orbax_io.KeyPath, orbax_io.LeafInfo]:
   """Compares the stored model subtree with the model's parameters (from config.json); CheckpointError naming
-  the first missing / unexpected parameter or shape mismatch."""
+  the first missing / unexpected parameter or shape mismatch. Stored parameters under a top-level module in
+  ``ignore`` (e.g. 'vision' for a text-only load) are allowed."""
   try:
     meta = orbax_io.leaf_metadata(state_dir(path))
   except (OSError, ValueError, FileNotFoundError) as e:
@@ -86,7 +88,7 @@ def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]]) -> dict[orbax
     if stored[key].shape != shape:
       raise CheckpointError(f"{state_dir(path)}: parameter {'/'.join(key[1:])!r} has shape "
                             f"{list(stored[key].shape)}, expected {list(shape)} from config.json")
-  extra = sorted(set(stored) - set(expected))
+  extra = sorted(k for k in set(stored) - set(expected) if k[1] not in ignore)
   if extra:
     raise CheckpointError(f"{state_dir(path)}: unexpected parameter {'/'.join(extra[0][1:])!r} (shape "
                           f"{list(stored[extra[0]].shape)}) that this config does not use")
@@ -94,10 +96,11 @@ def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]]) -> dict[orbax
 
 
 def restore_params(path: str, flat: Sequence[tuple[ParamPath, Any]],
-                   placement: Callable[[ParamPath], jax.sharding.Sharding | None]) -> dict[ParamPath, jax.Array]:
+                   placement: Callable[[ParamPath], jax.sharding.Sharding | None], ignore: tuple[str, ...] = ()
+                   ) -> dict[ParamPath, jax.Array]:
   """Reads every parameter straight into a jax.Array with its target sharding (default: the first local device)
-  and the model's dtype for it."""
-  check_params(path, flat)
+  and the model's dtype for it (``ignore``: see check_params)."""
+  check_params(path, flat, ignore)
   default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   leaves = {model_key(p): (tuple(var.shape), np.dtype(var.dtype), placement(p) or default) for p, var in flat}
   try:
@@ -108,7 +111,7 @@ def restore_params(path: str, flat: Sequence[tuple[ParamPath, Any]],
 
 
 def extra_names(marker: dict[str, Any], tree: str) -> dict[str, str]:
-  """Relative name -> source tensor name of the extra tensors kept in subtree ``tree`` ('mtp' / 'vision')."""
+  """Relative name -> source tensor name of the extra tensors kept in subtree ``tree`` ('mtp')."""
   return dict(marker.get("extras", {}).get(tree, {}))
 
 

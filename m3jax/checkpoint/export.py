@@ -2,8 +2,8 @@
 
 Streams: each parameter (stacked experts a group of experts at a time) is read from the Orbax state with
 TensorStore, split back into checkpoint tensors by the inverse transforms of the same TensorRules the loader
-uses, and appended to a safetensors shard whose header was written up front. MTP tensors (and vision tensors
-kept from an original-layout source) are written back under their original names.
+uses, and appended to a safetensors shard whose header was written up front. MTP tensors are written back
+under their original names (the vision tower, when present, is part of the model parameters).
 """
 
 from __future__ import annotations
@@ -37,15 +37,12 @@ class ExportSummary:
   shards: int
   bytes_written: int
   seconds: float
-  skipped: list[str]
 
   def lines(self) -> list[str]:
     rate = self.bytes_written / 1e9 / max(self.seconds, 1e-9)
     out = [f"exported {self.src} -> {self.out} (original layout)",
            f"  {self.tensors} tensors in {self.shards} safetensors file(s), {fsutil.format_bytes(self.bytes_written)} "
            f"in {self.seconds:.1f} s ({rate:.3f} GB/s)"]
-    if self.skipped:
-      out.append(f"  not exported: {len(self.skipped)} tensors (e.g. {self.skipped[0]})")
     return out
 
 
@@ -89,15 +86,10 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
     st_dtype = SAFETENSORS_DTYPES[info.dtype]
     for piece in split_rule(rule, info.shape, info.dtype.itemsize, max_piece_bytes):
       steps.append((key, piece, [(n, s, st_dtype) for n, s in zip(piece.rule.sources, piece.rule.source_shapes)]))
-  skipped: list[str] = []
-  for tree in converted.EXTRA_TREES:
-    for rel, source_name in converted.extra_names(marker, tree).items():
-      if tree == converted.VISION and marker["source"]["layout"] != "original":
-        skipped.append(source_name)  # HF-layout vision names; the original spelling is the vision loader's job
-        continue
-      name = MTP_PREFIX + rel if tree == converted.MTP else source_name
-      info = meta[converted.extra_key(tree, rel)]
-      steps.append((converted.extra_key(tree, rel), None, [(name, info.shape, SAFETENSORS_DTYPES[info.dtype])]))
+  for rel in converted.extra_names(marker, converted.MTP):
+    info = meta[converted.extra_key(converted.MTP, rel)]
+    steps.append((converted.extra_key(converted.MTP, rel), None,
+                  [(MTP_PREFIX + rel, info.shape, SAFETENSORS_DTYPES[info.dtype])]))
 
   entries = [e for _, _, es in steps for e in es]
   shards = _assign_shards(entries, max_shard_bytes)
@@ -144,7 +136,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
   finally:
     bar.close()
   return ExportSummary(src=src, out=out, tensors=len(entries), shards=n_shards, bytes_written=total,
-                       seconds=time.perf_counter() - start, skipped=skipped)
+                       seconds=time.perf_counter() - start)
 
 
 def _nbytes(shape: tuple[int, ...], st_dtype: str) -> int:

@@ -6,6 +6,7 @@ import contextlib
 import fnmatch
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -87,5 +88,14 @@ def atomic_output_dir(dst: str, force: bool = False) -> Iterator[str]:
     if old is not None:
       shutil.rmtree(old, ignore_errors=True)
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     raise
+
+
+def _remove(path: str, attempts: int = 5) -> None:
+  """rmtree that tolerates writer threads still finishing inside ``path``."""
+  for i in range(attempts):
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.exists(path):
+      return
+    time.sleep(0.1 * (i + 1))

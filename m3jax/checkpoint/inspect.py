@@ -21,12 +21,14 @@ from m3jax.checkpoint.source import TensorSource
 from m3jax.config import M3Config
 
 COMPONENTS = ("embeddings", "attention", "indexer", "dense MLP", "routed experts", "shared experts", "router",
-              "norms", "lm_head")
+              "norms", "lm_head", "vision")
 
 
 def component(path: Sequence[Any]) -> str:
   """The component a model parameter path belongs to (one of COMPONENTS)."""
   names = [str(p) for p in path]
+  if names[0] == "vision":
+    return "vision"
   if names == ["embed"]:
     return "embeddings"
   if names == ["lm_head"]:

@@ -197,5 +197,5 @@ def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text
   graphdef, flat = abstract_model(cfg, dtype, kernels)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
-  values = converted.restore_params(path, flat, placement)
+  values = converted.restore_params(path, flat, placement, ignore=("vision",) if text_only else ())
   return fill(graphdef, flat, lambda param_path, var: values.pop(param_path))

@@ -10,6 +10,7 @@ being written) instead of the tree. The result is an ordinary Orbax PyTree check
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -28,6 +29,8 @@ from orbax.checkpoint._src.serialization import type_handlers
 KeyPath = tuple[str, ...]
 # Zarr chunks of at most this many bytes: partial (sharded) restores read only the chunks they need.
 CHUNK_BYTES = 64 * 2**20
+# Data handed to TensorStore but not yet written (see _LazyArrayHandler).
+INFLIGHT_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass
@@ -57,12 +60,23 @@ class LazyArray:
 class _LazyArrayHandler(type_handlers.NumpyHandler):
   """Writes LazyArray leaves piece by piece (metadata identical to NumpyHandler's, so it restores as np.ndarray).
 
-  Leaves are written sequentially; the next piece is built while the previous one is being written.
+  Pieces are built in order; writes already handed to TensorStore overlap with building the next pieces, up to
+  INFLIGHT_BYTES of pending data (a piece larger than that waits until everything before it is written), so
+  host memory holds the current piece plus at most INFLIGHT_BYTES.
   """
 
   async def serialize(self, values, infos, args=None):
     args = args or [ocp.SaveArgs()] * len(values)
-    for value, info, arg in zip(values, infos, args):
+    pending: list[tuple[Any, int, Callable[[int], None] | None]] = []
+
+    async def drain(limit: int) -> None:
+      while pending and sum(n for _, n, _ in pending) > limit:
+        future, nbytes, callback = pending.pop(0)
+        await future
+        if callback:
+          callback(nbytes)
+
+    async def open_store(value, info, arg):
       await info.await_path_creation()
       rows = max((stop - start for start, stop, _ in value.pieces), default=0)
       write_shape = (max(rows, 1),) + tuple(value.shape[1:]) if value.shape else ()
@@ -70,25 +84,30 @@ class _LazyArrayHandler(type_handlers.NumpyHandler):
           info=info, arg=arg, global_shape=value.shape, local_shape=write_shape, dtype=np.dtype(value.dtype),
           use_ocdbt=info.is_ocdbt_checkpoint,
           process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
-      store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
-      pending = None
-      for start, stop, make in value.pieces:
-        data = np.asarray(make())
-        want = (stop - start,) + tuple(value.shape[1:]) if value.shape else ()
-        if data.shape != want or data.dtype != np.dtype(value.dtype):
-          raise ValueError(f"internal: piece [{start}:{stop}] of {info.name} is {data.shape} {data.dtype}, "
-                           f"expected {want} {np.dtype(value.dtype)}")
-        if pending is not None:
-          await pending[0]
-          if value.on_piece:
-            value.on_piece(pending[1])
-        target = store[start:stop] if value.shape else store
-        pending = (target.write(data), data.nbytes)
-        del data
-      if pending is not None:
-        await pending[0]
-        if value.on_piece:
-          value.on_piece(pending[1])
+      return await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+
+    # Creating an array writes its metadata; do all of them concurrently (sequentially it costs ~25 ms each).
+    stores = await asyncio.gather(*[open_store(v, i, a) for v, i, a in zip(values, infos, args)])
+    try:
+      for value, info, store in zip(values, infos, stores):
+        for start, stop, make in value.pieces:
+          data = np.asarray(make())
+          want = (stop - start,) + tuple(value.shape[1:]) if value.shape else ()
+          if data.shape != want or data.dtype != np.dtype(value.dtype):
+            raise ValueError(f"internal: piece [{start}:{stop}] of {info.name} is {data.shape} {data.dtype}, "
+                             f"expected {want} {np.dtype(value.dtype)}")
+          await drain(max(INFLIGHT_BYTES - data.nbytes, 0))
+          target = store[start:stop] if value.shape else store
+          pending.append((target.write(data), data.nbytes, value.on_piece))
+          del data
+    except BaseException:
+      for future, _, _ in pending:  # let TensorStore finish touching the directory before the caller removes it
+        try:
+          await future
+        except Exception:  # pylint: disable=broad-except
+          pass
+      raise
+    await drain(-1)
     return []
 
 
@@ -120,7 +139,10 @@ class LeafInfo:
 def leaf_metadata(path: str) -> dict[KeyPath, LeafInfo]:
   """Key path -> stored shape/dtype for every array leaf of the Orbax checkpoint at ``path`` (no data read)."""
   meta = ocp.PyTreeCheckpointer().metadata(os.path.abspath(path))
-  tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+  item = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+  tree = getattr(item, "tree", None)
+  if tree is None:
+    raise ValueError("Orbax cannot read the array metadata (missing or corrupt data files)")
   out: dict[KeyPath, LeafInfo] = {}
   for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     out[tuple(_key_str(k) for k in keypath)] = LeafInfo(tuple(leaf.shape), np.dtype(leaf.dtype))

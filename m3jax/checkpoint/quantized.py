@@ -170,16 +170,18 @@ def dequantize_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.nda
 
 
 def quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """fp32 [out, in] (in % 32 == 0) -> (e4m3 [out, in], uint8 E8M0 [out, in/32]). Scale = 2^(ceil(log2(amax/448)))."""
+  """fp32 [out, in] -> (e4m3 [out, in], uint8 E8M0 [out, ceil(in/32)]); scale = 2^ceil(log2(amax / 448)) per
+  32 inputs (a last partial block has its own scale)."""
   out, inp = w.shape
-  if inp % MX_BLOCK:
-    raise QuantError(f"MXFP8 needs in_features % {MX_BLOCK} == 0, got {w.shape}")
-  blocks = w.astype(np.float32).reshape(out, inp // MX_BLOCK, MX_BLOCK)
+  n_blocks = math.ceil(inp / MX_BLOCK)
+  padded = np.zeros((out, n_blocks * MX_BLOCK), np.float32)
+  padded[:, :inp] = w
+  blocks = padded.reshape(out, n_blocks, MX_BLOCK)
   amax = np.abs(blocks).max(axis=-1)
   exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 448.0)), 0).astype(np.int32)
   exp = np.clip(exp, -127, 127)
   q = (blocks / np.ldexp(np.float32(1), exp)[..., None]).astype(ml_dtypes.float8_e4m3fn)
-  return q.reshape(out, inp), (exp + 127).astype(np.uint8)
+  return np.ascontiguousarray(q.reshape(out, -1)[:, :inp]), (exp + 127).astype(np.uint8)
 
 
 def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
@@ -212,6 +214,7 @@ def quantize_nvfp4(w: np.ndarray, global_scale: float | None = None) -> tuple[np
   scale = (gmax / 6.0 * global_scale).astype(ml_dtypes.float8_e4m3fn)
   eff = scale.astype(np.float32) / np.float32(global_scale)
   x = np.where(eff[..., None] > 0, groups / np.where(eff > 0, eff, 1)[..., None], 0).reshape(out, inp)
-  codes = np.abs(x[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8) | np.where(x < 0, 8, 0).astype(np.uint8)
+  codes = np.abs(np.abs(x)[..., None] - E2M1_VALUES).argmin(axis=-1).astype(np.uint8)
+  codes |= np.where(x < 0, 8, 0).astype(np.uint8)
   packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
   return packed, scale, np.array([global_scale], np.float32)

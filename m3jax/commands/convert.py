@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--layout", default="auto", choices=("auto", "original", "hf", "hf_text"),
                  help="tensor naming of SRC (auto-detected by default)")
   p.add_argument("--force", action="store_true", help="replace an existing DST")
-  p.add_argument("--keep-vision", action="store_true", help="keep vision-tower tensors (own subtree)")
+  p.add_argument("--text-only", action="store_true",
+                 help="drop the vision tower + projector (the output config has no vision_config)")
   p.add_argument("--drop-mtp", action="store_true", help="skip the MTP (mtp.*) tensors instead of keeping them")
   p.add_argument("--piece-mb", type=int, default=1024,
                  help="stacked experts are built and written in groups of at most this many MiB (default 1024)")
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
   from m3jax.checkpoint.convert import convert  # pylint: disable=g-import-not-at-top
 
   summary = convert(args.src, args.dst, dtype=args.dtype, layout=args.layout, force=args.force,
-                    keep_mtp=not args.drop_mtp, keep_vision=args.keep_vision, max_piece_bytes=args.piece_mb << 20,
+                    keep_mtp=not args.drop_mtp, text_only=args.text_only, max_piece_bytes=args.piece_mb << 20,
                     progress=not args.no_progress)
   print("\n".join(summary.lines()))
   return 0

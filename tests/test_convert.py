@@ -1,0 +1,319 @@
+"""`m3jax convert` / `export` / `inspect`: loading converted checkpoints, bit-exact round trips, streaming pieces,
+atomic output, and errors that name the file and tensor."""
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+import m3jax
+from conftest import FIXTURES
+from m3jax import cli
+from m3jax.checkpoint import converted, orbax_io
+from m3jax.checkpoint.convert import convert
+from m3jax.checkpoint.export import export
+from m3jax.checkpoint.inspect import COMPONENTS, inspect_checkpoint
+from m3jax.checkpoint.loader import plan_text_load
+from m3jax.checkpoint.mapping import text_rules
+from m3jax.checkpoint.pieces import split_rule
+from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
+from m3jax.checkpoint.source import TensorSource
+from m3jax.checkpoint.writer import write_checkpoint
+
+FLAT_B16 = FIXTURES / "flat_b16" / "checkpoint"
+AUX = {"tokenizer.json": '{"model": {}}', "tokenizer_config.json": "{}", "chat_template.jinja": "{{ messages }}",
+       "generation_config.json": '{"do_sample": false}', "special_tokens_map.json": "{}", "merges.txt": "a b\n"}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def params(model) -> dict:
+  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def assert_same_params(a, b):
+  pa, pb = params(a), params(b)
+  assert pa.keys() == pb.keys()
+  for k in pa:
+    assert pa[k].dtype == pb[k].dtype, k
+    np.testing.assert_array_equal(pa[k], pb[k], err_msg=str(k))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+  return m3jax.M3ForCausalLM(m3jax.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+  """flat_b16 (original layout, 3 shards, vision + one MTP tensor) plus tokenizer / template side files."""
+  d = tmp_path_factory.mktemp("src") / "ckpt"
+  shutil.copytree(FLAT_B16, d)
+  for name, text in AUX.items():
+    (d / name).write_text(text)
+  return d
+
+
+@pytest.fixture(scope="module")
+def dst(src, tmp_path_factory):
+  out = tmp_path_factory.mktemp("dst") / "m3"
+  convert(src, out, progress=False)
+  return out
+
+
+def test_converted_checkpoint_loads_like_the_source(src, dst):
+  marker = converted.read_marker(dst)
+  assert marker["dtype"] == "float32" and marker["source"]["layout"] == "original"
+  assert m3jax.M3Config.from_file(dst) == m3jax.M3Config.from_file(src)
+  assert json.loads((dst / "config.json").read_text()) == m3jax.M3Config.from_file(src).to_dict()
+  for name, text in AUX.items():
+    assert (dst / name).read_text() == text
+  assert marker["skipped"] == {} and list(marker["extras"]["mtp"]) == ["layers.0.enorm.weight"]
+  model = m3jax.load(dst, kernels="reference")
+  assert model.vision is not None
+  assert model.dtype == jnp.float32 and model.layers[0].mlp.router[...].dtype == jnp.float32
+  assert_same_params(model, m3jax.load(src))
+  ref = np.load(FIXTURES / "flat_b16" / "reference.npz")
+  logits = np.asarray(model(ref["input_ids"]))
+  assert np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"])) <= 1e-4
+
+
+def test_orbax_state_is_a_plain_orbax_checkpoint_with_an_mtp_subtree(src, dst):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  tree = ocp.PyTreeCheckpointer().restore(str(dst / converted.STATE))
+  assert set(tree) == {"model", "mtp"}
+  mtp = load_file(str(src / "model-00003-of-00003.safetensors"))["language_model.model.mtp.layers.0.enorm.weight"]
+  np.testing.assert_array_equal(tree["mtp"]["layers"]["0"]["enorm"]["weight"], mtp)
+  np.testing.assert_array_equal(converted.read_extras(dst)["layers.0.enorm.weight"], mtp)
+  gate_up = tree["model"]["layers"]["1"]["mlp"]["w_gate_up"]
+  w1 = load_file(str(src / "model-00001-of-00003.safetensors"))["language_model.model.layers.1.block_sparse_moe.experts.2.w1.weight"]
+  np.testing.assert_array_equal(gate_up[2, :, :32], w1.T)
+
+
+def test_hf_layout_source_to_bf16(tmp_path, tiny_model):
+  write_checkpoint(tiny_model, tmp_path / "hf", layout="hf", max_shard_bytes=200_000)
+  summary = convert(tmp_path / "hf", tmp_path / "out", dtype="bfloat16", progress=False)
+  assert summary.layout == "hf" and summary.dtype == "bfloat16"
+  loaded = m3jax.load(tmp_path / "out")
+  assert loaded.dtype == jnp.bfloat16 and loaded.layers[1].mlp.router[...].dtype == jnp.float32
+  assert_same_params(loaded, m3jax.load(tmp_path / "hf", dtype="bfloat16"))
+  # --layout forces the naming: original names are then missing.
+  with pytest.raises(CheckpointError, match=r"missing tensor 'language_model\.model\.embed_tokens\.weight'"):
+    convert(tmp_path / "hf", tmp_path / "out2", layout="original", progress=False)
+
+
+def test_export_is_bit_exact_and_convert_export_convert_round_trips(src, dst, tmp_path):
+  summary = export(dst, tmp_path / "exp", max_shard_bytes=100_000, progress=False)
+  assert summary.shards > 1
+  exported, original = TensorSource.open(tmp_path / "exp"), TensorSource.open(src)
+  assert sorted(exported.keys()) == sorted(original.keys())  # text, vision tower + projector, MTP
+  for name in original.keys():
+    a, b = exported.get(name), original.get(name)
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    assert a.tobytes() == b.tobytes(), name
+  for name in AUX:
+    assert (tmp_path / "exp" / name).exists()
+  again = tmp_path / "again"
+  convert(tmp_path / "exp", again, progress=False)
+  assert_same_states(dst, again)
+
+
+def assert_same_states(a, b):
+  meta_a, meta_b = orbax_io.leaf_metadata(str(a / converted.STATE)), orbax_io.leaf_metadata(str(b / converted.STATE))
+  assert meta_a == meta_b
+  ra, rb = orbax_io.SliceReader(str(a / converted.STATE)), orbax_io.SliceReader(str(b / converted.STATE))
+  for key in meta_a:
+    assert ra.read(key).tobytes() == rb.read(key).tobytes(), key
+  ma, mb = converted.read_marker(a), converted.read_marker(b)
+  assert ma["extras"] == mb["extras"] and ma["dtype"] == mb["dtype"]
+
+
+@pytest.mark.parametrize("layout", ["original", "hf"])
+def test_stacked_experts_stream_in_pieces(tmp_path, tiny_model, layout):
+  cfg = tiny_model.config
+  write_checkpoint(tiny_model, tmp_path / "src", layout=layout)
+  source = TensorSource.open(tmp_path / "src")
+  _, rules = plan_text_load(cfg, source)
+  rule = next(r for r in rules if r.path[-1] == "w_gate_up")
+  shape = (8, 64, 64)  # E, H, 2I
+  pieces = split_rule(rule, shape, 4, max_bytes=3 * 64 * 64 * 4)  # 3 experts per piece
+  assert [(p.start, p.stop) for p in pieces] == [(0, 3), (3, 6), (6, 8)]
+  whole = rule.to_param([source.get(n) for n in rule.sources])
+  np.testing.assert_array_equal(np.concatenate([p.build(source) for p in pieces]), whole)
+  rebuilt = collections.defaultdict(list)  # hf: row ranges of one stacked tensor; original: per-expert tensors
+  for p in pieces:
+    for name, arr in zip(p.rule.sources, p.split(whole[p.start:p.stop])):
+      rebuilt[name].append(arr)
+  for name, arr in zip(rule.sources, rule.from_param(whole)):
+    np.testing.assert_array_equal(np.concatenate(rebuilt[name]), arr)
+  # A conversion with tiny pieces writes the same checkpoint as one with whole arrays.
+  convert(tmp_path / "src", tmp_path / "whole", progress=False)
+  convert(tmp_path / "src", tmp_path / "pieces", max_piece_bytes=5000, progress=False)
+  assert_same_states(tmp_path / "whole", tmp_path / "pieces")
+
+
+def test_cli_convert_inspect_export(src, tmp_path, capsys):
+  out = tmp_path / "cli"
+  assert cli.main(["convert", str(src), str(out), "--no-progress"]) == 0
+  text = capsys.readouterr().out
+  assert "82 parameters + 1 mtp tensors" in text and "GB/s" in text
+  assert "skipped nothing" in text and "copied chat_template.jinja" in text
+  assert cli.main(["convert", str(src), str(out), "--no-progress"]) == 2
+  assert "already exists; pass --force" in capsys.readouterr().err
+  assert cli.main(["convert", str(src), str(out), "--no-progress", "--force", "--dtype", "bfloat16",
+                   "--drop-mtp", "--text-only"]) == 0
+  assert "skipped 44 tensors: mtp 1 (e.g. language_model.model.mtp.layers.0.enorm.weight); vision 43" in (
+      capsys.readouterr().out)
+  assert converted.read_marker(out)["dtype"] == "bfloat16"
+  assert m3jax.M3Config.from_file(out).vision is None
+  assert not [p for p in os.listdir(tmp_path) if ".m3jax-" in p]  # no temporary siblings left
+  assert cli.main(["inspect", str(src)]) == 0
+  src_report = capsys.readouterr().out
+  assert cli.main(["inspect", str(out)]) == 0
+  dst_report = capsys.readouterr().out
+  for name in ("embeddings", "attention", "indexer", "routed experts", "shared experts", "router", "norms",
+               "lm_head"):
+    assert name in src_report and name in dst_report
+  assert "F32" in src_report and "BF16" in dst_report and "on disk" in dst_report
+  assert "vision" in src_report and "mtp" in src_report
+  a, b = inspect_checkpoint(src), inspect_checkpoint(out)
+  assert {k: v[0] for k, v in a.params.items() if k != "vision"} == {k: v[0] for k, v in b.params.items()}
+  assert set(a.params) <= set(COMPONENTS) and sum(v[0] for v in a.params.values()) == sum(
+      int(np.prod(v.shape)) for v in params(m3jax.load(src)).values())
+  assert cli.main(["export", str(out), str(tmp_path / "exp"), "--no-progress"]) == 0
+  assert "exported" in capsys.readouterr().out
+
+
+def test_existing_destination_and_interruption(src, tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "keep.txt").write_text("x")
+  with pytest.raises(CheckpointError, match="already exists; pass --force"):
+    convert(src, out, progress=False)
+  assert (out / "keep.txt").exists()
+  with pytest.raises(CheckpointError, match="outside the input"):
+    convert(src, src / "sub", progress=False)
+  # An exception mid-way: nothing at DST, no temporary left behind.
+  from m3jax.checkpoint import pieces  # pylint: disable=g-import-not-at-top
+
+  calls = []
+  real = pieces.Piece.build
+
+  def failing(self, reader):
+    calls.append(1)
+    if len(calls) == 10:
+      raise KeyboardInterrupt
+    return real(self, reader)
+
+  pieces.Piece.build = failing
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      convert(src, tmp_path / "interrupted", progress=False)
+  finally:
+    pieces.Piece.build = real
+  assert not (tmp_path / "interrupted").exists()
+  assert sorted(os.listdir(tmp_path)) == ["out"]
+  # A killed process (os._exit mid-write): DST absent, the leftover temporary does not load, a rerun works.
+  script = f"""
+import os, sys
+sys.path.insert(0, {REPO!r})
+from m3jax.checkpoint import pieces
+from m3jax.checkpoint.convert import convert
+real, calls = pieces.Piece.build, []
+def build(self, reader):
+  calls.append(1)
+  if len(calls) == 20:
+    os._exit(17)
+  return real(self, reader)
+pieces.Piece.build = build
+convert({str(src)!r}, {str(tmp_path / 'killed')!r}, progress=False)
+"""
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+  assert proc.returncode == 17, proc.stderr
+  assert not (tmp_path / "killed").exists()
+  leftovers = [p for p in os.listdir(tmp_path) if p.startswith(".killed.m3jax-tmp-")]
+  assert len(leftovers) == 1
+  with pytest.raises((CheckpointError, FileNotFoundError)):
+    m3jax.load(tmp_path / leftovers[0])
+  with pytest.raises(FileNotFoundError):
+    m3jax.load(tmp_path / "killed")
+  convert(src, tmp_path / "killed", progress=False)
+  assert converted.is_converted(tmp_path / "killed")
+
+
+def _copy_single_file(tmp_path, model, name="ckpt"):
+  d = tmp_path / name
+  write_checkpoint(model, d)
+  return d, d / "model.safetensors"
+
+
+def _rewrite(path, edit):
+  tensors = load_file(str(path))
+  edit(tensors)
+  save_file(tensors, str(path))
+
+
+def test_conversion_errors_name_file_and_tensor(tmp_path, tiny_model):
+  d, f = _copy_single_file(tmp_path, tiny_model)
+  name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight"
+  _rewrite(f, lambda t: t.update({name: t[name].astype(np.int32)}))
+  with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor '.*experts\.3\.w2\.weight' has dtype I32"):
+    convert(d, tmp_path / "o1", progress=False)
+  _rewrite(f, lambda t: t.update({name: np.zeros((64, 30), np.float32)}))
+  with pytest.raises(CheckpointError, match=r"experts\.3\.w2\.weight' has shape \[64, 30\], expected \[64, 32\]"):
+    convert(d, tmp_path / "o2", progress=False)
+  _rewrite(f, lambda t: t.pop(name))
+  with pytest.raises(CheckpointError, match=r"missing tensor '.*experts\.3\.w2\.weight' \(expected shape \[64, 32\]"):
+    convert(d, tmp_path / "o3", progress=False)
+  d, f = _copy_single_file(tmp_path, tiny_model, "c2")
+  _rewrite(f, lambda t: t.update({"language_model.model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}))
+  with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor .*self_attn\.extra\.weight"):
+    convert(d, tmp_path / "o4", progress=False)
+  # Truncated data (header intact): the read names the file and the tensor.
+  d, f = _copy_single_file(tmp_path, tiny_model, "c3")
+  f.write_bytes(f.read_bytes()[:-1000])
+  with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+    convert(d, tmp_path / "o5", progress=False)
+  assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+
+
+def test_converted_checkpoint_that_does_not_match_its_config(dst, tmp_path):
+  bad = tmp_path / "bad"
+  shutil.copytree(dst, bad)
+  cfg = json.loads((bad / "config.json").read_text())
+  cfg["text_config"]["num_local_experts"] = 8
+  (bad / "config.json").write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match=r"parameter 'layers/0/mlp/correction_bias' has shape \[4\], expected \[8\] from config"):
+    m3jax.load(bad)
+  shutil.rmtree(bad / converted.STATE / "d")
+  (bad / "config.json").write_text((dst / "config.json").read_text())
+  with pytest.raises(CheckpointError):
+    m3jax.load(bad)
+  os.remove(bad / converted.MARKER)
+  with pytest.raises(CheckpointError, match="incomplete conversion"):
+    m3jax.load(bad)
+  pickled = tmp_path / "pickled"
+  pickled.mkdir()
+  shutil.copy(dst / "config.json", pickled / "config.json")
+  (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04")
+  with pytest.raises(CheckpointError, match="pickle"):
+    convert(pickled, tmp_path / "o", progress=False)
+  assert SafetensorsDir  # (the pickle refusal lives in SafetensorsDir)
+
+
+def test_param_rules_cover_all_layouts():
+  cfg = m3jax.tiny()
+  for layout in ("original", "hf", "hf_text"):
+    rules = text_rules(cfg.text, layout)
+    assert len({r.path for r in rules}) == len(rules)
+  assert jax.devices()

@@ -1,0 +1,243 @@
+"""Quantized checkpoints (MXFP8, FP8 block-scaled, NVFP4): dequantization math against independent float64
+references, quantization_config handling, and quantized copies of the flat_b16 fixture end to end."""
+
+import json
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import m3jax
+from conftest import FIXTURES
+from m3jax.checkpoint import quantized as q
+from m3jax.checkpoint.convert import convert
+from m3jax.checkpoint.safetensors_dir import CheckpointError
+from m3jax.checkpoint.source import TensorSource
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+FLAT_B16 = FIXTURES / "flat_b16" / "checkpoint"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Independent float64 references (no m3jax code)
+
+
+def ref_blocked(w8: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+  """e4m3 [out, in] x per-block scale (uint8 E8M0 or float) -> float64."""
+  out, inp = w8.shape
+  s = 2.0 ** (scale.astype(np.int64) - 127) if scale.dtype == np.uint8 else scale.astype(np.float64)
+  rows, cols = np.arange(out)[:, None] // block[0], np.arange(inp)[None, :] // block[1]
+  return w8.astype(np.float64) * s[rows, cols]
+
+
+def ref_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarray) -> np.ndarray:
+  out, half = packed.shape
+  w = np.zeros((out, 2 * half))
+  for r in range(out):
+    for j in range(half):
+      for k, nib in enumerate((packed[r, j] & 0xF, packed[r, j] >> 4)):  # low nibble = even element
+        w[r, 2 * j + k] = (-1.0 if nib & 8 else 1.0) * E2M1[nib & 7]
+  eff = scale.astype(np.float64) / float(global_scale.reshape(-1)[0])
+  return w * eff[:, np.arange(2 * half) // 16]
+
+
+def random_e4m3(rng, shape) -> np.ndarray:
+  """Random finite e4m3 codes (every representable magnitude, both signs)."""
+  codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
+  codes = np.where((codes & 0x7F) == 0x7F, codes & 0xF0, codes)  # drop NaN codes
+  return codes.view(ml_dtypes.float8_e4m3fn)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Math
+
+
+def test_mxfp8_dequantize_exact_and_bounded():
+  rng = np.random.default_rng(0)
+  w8 = random_e4m3(rng, (24, 96))
+  scale = rng.integers(127 - 10, 127 + 10, size=(24, 3), dtype=np.uint8)
+  block = q.block_shape(w8.shape, scale.shape)
+  assert block == (1, 32)
+  got = q.dequantize_blocked(w8, scale, block)
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, ref_blocked(w8, scale, block).astype(np.float32))
+  # Round trip of arbitrary values: within half an e4m3 ulp (2^-4 relative) or the subnormal step of the block.
+  w = (rng.standard_normal((24, 80)) * rng.uniform(0.01, 100, size=(24, 1))).astype(np.float32)
+  w8, scale = q.quantize_mxfp8(w)
+  assert scale.shape == (24, 3)  # 80 inputs: the last block is partial
+  deq = q.dequantize_blocked(w8, scale, q.block_shape(w8.shape, scale.shape))
+  step = 2.0 ** (scale.astype(np.float64) - 127)[:, np.arange(80) // 32]
+  assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -9 * step)
+
+
+def test_fp8_block_dequantize_exact_and_bounded():
+  rng = np.random.default_rng(1)
+  w8 = random_e4m3(rng, (200, 300))  # not multiples of 128: ragged last blocks
+  scale = rng.uniform(0.001, 2.0, size=(2, 3)).astype(np.float32)
+  block = q.block_shape(w8.shape, scale.shape)
+  assert block == (128, 128)
+  np.testing.assert_array_equal(q.dequantize_blocked(w8, scale, block),
+                                (ref_blocked(w8, scale, block)).astype(np.float32))
+  w = rng.standard_normal((200, 300)).astype(np.float32)
+  w8, scale = q.quantize_fp8_block(w)
+  deq = q.dequantize_blocked(w8, scale, (128, 128))
+  step = scale.astype(np.float64)[np.arange(200)[:, None] // 128, np.arange(300)[None, :] // 128]
+  assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -9 * step)
+  with pytest.raises(q.QuantError, match="does not tile"):
+    q.block_shape((200, 300), (3, 3))
+
+
+def test_nvfp4_nibble_order_exact_and_bounded():
+  # 0x2A: low nibble 0xA = sign + magnitude code 2 (1.0) -> element 0 is -1.0; high nibble 0x2 -> element 1 is +1.0.
+  np.testing.assert_array_equal(q.unpack_e2m1(np.array([[0x2A, 0xF7]], np.uint8)), [[-1.0, 1.0, 6.0, -6.0]])
+  rng = np.random.default_rng(2)
+  packed = rng.integers(0, 256, size=(6, 24), dtype=np.uint8)
+  scale = random_e4m3(rng, (6, 3))
+  scale = np.abs(scale.astype(np.float32)).astype(ml_dtypes.float8_e4m3fn)
+  gscale = np.array([256.0], np.float32)
+  got = q.dequantize_nvfp4(packed, scale, gscale)
+  np.testing.assert_array_equal(got, ref_nvfp4(packed, scale, gscale).astype(np.float32))
+  w = rng.standard_normal((16, 64)).astype(np.float32)
+  packed, scale, gscale = q.quantize_nvfp4(w)
+  deq = q.dequantize_nvfp4(packed, scale, gscale)
+  eff = np.repeat(scale.astype(np.float32) / gscale[0], 16, axis=1)
+  assert np.all(np.abs(deq - w) <= eff)  # half the largest E2M1 gap (4 -> 6) times the group scale
+
+
+def test_ignored_layer_matching():
+  cfg = q.QuantConfig(method="mxfp8", ignored=("lm_head", "block_sparse_moe.gate", "re:.*vision_tower.*"))
+  assert cfg.is_ignored("language_model.lm_head")
+  assert cfg.is_ignored("language_model.model.layers.3.block_sparse_moe.gate")
+  assert not cfg.is_ignored("language_model.model.layers.3.block_sparse_moe.shared_experts.gate_proj")
+  assert cfg.is_ignored("vision_tower.vision_model.encoder.layers.0.mlp.fc1")
+  ct = q.QuantConfig.from_config({"quantization_config": {
+      "quant_method": "compressed-tensors", "ignore": ["lm_head"],
+      "config_groups": {"g": {"targets": ["re:.*experts\\.\\d+\\..*"]}}}})
+  assert ct.expects_quantized("language_model.model.layers.0.block_sparse_moe.experts.3.w1")
+  assert not ct.expects_quantized("language_model.model.layers.0.self_attn.q_proj")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Quantized copies of the flat_b16 fixture
+
+
+FORMATS = {
+    "mxfp8": {"quant_method": "mxfp8",
+              "ignored_layers": ["lm_head", "block_sparse_moe.gate", "vision_tower", "multi_modal_projector",
+                                 "patch_merge_mlp"]},
+    "fp8_block": {"quant_method": "fp8", "weight_block_size": [16, 16],
+                  "modules_to_not_convert": ["lm_head", "gate", "vision_tower", "multi_modal_projector",
+                                             "patch_merge_mlp"]},
+    "nvfp4": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+              "config_groups": {"group_0": {"targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"]}},
+              "ignore": ["lm_head"]},
+}
+
+
+def quantize_checkpoint(src, dst, fmt: str) -> dict[str, np.ndarray]:
+  """Writes a quantized copy of ``src`` (config + one safetensors file) and returns the float32 tensors that the
+  quantized checkpoint represents (dequantized with the float64 references above)."""
+  source = TensorSource.open(src)
+  qcfg = q.QuantConfig.from_config({"quantization_config": FORMATS[fmt]})
+  tensors, dequantized = {}, {}
+  for name in source.keys():
+    w = source.get(name)
+    module = name[: -len(".weight")]
+    if not (q.is_linear_weight(name, w.ndim) and qcfg.expects_quantized(module)):
+      tensors[name] = dequantized[name] = w
+      continue
+    if fmt == "mxfp8":
+      w8, s = q.quantize_mxfp8(w)
+      tensors |= {name: w8, module + ".weight_scale_inv": s}
+      dequantized[name] = ref_blocked(w8, s, (1, 32)).astype(np.float32)
+    elif fmt == "fp8_block":
+      w8, s = q.quantize_fp8_block(w, (16, 16))
+      tensors |= {name: w8, module + ".weight_scale_inv": s}
+      dequantized[name] = ref_blocked(w8, s, (16, 16)).astype(np.float32)
+    else:
+      packed, s, g = q.quantize_nvfp4(w)
+      tensors |= {module + ".weight_packed": packed, module + ".weight_scale": s, module + ".weight_global_scale": g,
+                  module + ".input_global_scale": np.ones(1, np.float32)}
+      dequantized[name] = ref_nvfp4(packed, s, g).astype(np.float32)
+  dst.mkdir()
+  save_file(tensors, str(dst / "model.safetensors"))
+  cfg = json.loads((src / "config.json").read_text())
+  cfg["quantization_config"] = FORMATS[fmt]
+  (dst / "config.json").write_text(json.dumps(cfg))
+  return dequantized
+
+
+def write_plain(tensors: dict[str, np.ndarray], src, dst) -> None:
+  dst.mkdir()
+  save_file(tensors, str(dst / "model.safetensors"))
+  shutil.copy(src / "config.json", dst / "config.json")
+
+
+def params(model) -> dict:
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quantized_fixture_end_to_end(tmp_path, fmt):
+  dequantized = quantize_checkpoint(FLAT_B16, tmp_path / "quant", fmt)
+  write_plain(dequantized, FLAT_B16, tmp_path / "plain")
+  source = TensorSource.open(tmp_path / "quant")
+  formats = {source.quant_format(n) for n in source.keys()}
+  assert formats == {None, fmt}
+  assert source.quant_format("language_model.model.layers.0.block_sparse_moe.gate.weight") is None  # ignored
+  quant_model = m3jax.load(tmp_path / "quant", kernels="reference")
+  plain_model = m3jax.load(tmp_path / "plain", kernels="reference")
+  a, b = params(quant_model), params(plain_model)
+  assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+  if fmt == "mxfp8":  # identical parameters give identical logits; run the forward once to show it end to end
+    ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"][:, :40]
+    np.testing.assert_array_equal(np.asarray(quant_model(ids)), np.asarray(plain_model(ids)))
+  # convert dequantizes the same way (bf16 target: the cast of the same fp32 values).
+  summary = convert(tmp_path / "quant", tmp_path / "dst", dtype="bfloat16", progress=False)
+  assert summary.dequantized[fmt] > 0 and summary.quantization == FORMATS[fmt]["quant_method"]
+  c = params(m3jax.load(tmp_path / "dst"))
+  d = params(m3jax.load(tmp_path / "plain", dtype="bfloat16"))
+  assert all(np.array_equal(c[k], d[k]) for k in c)
+
+
+def test_quantization_config_mismatches_are_named(tmp_path):
+  quantize_checkpoint(FLAT_B16, tmp_path / "q", "mxfp8")
+  cfg_path = tmp_path / "q" / "config.json"
+  cfg = json.loads(cfg_path.read_text())
+  # An ignored module that nevertheless has scales.
+  cfg["quantization_config"]["ignored_layers"].append("self_attn.q_proj")
+  cfg_path.write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.q_proj\.weight' is quantized \(mxfp8\) but "
+                                            r"quantization_config lists"):
+    m3jax.load(tmp_path / "q")
+  # A module the config quantizes but that is stored in plain float.
+  cfg["quantization_config"]["ignored_layers"] = ["lm_head"]
+  cfg_path.write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match=r"block_sparse_moe\.gate\.weight' is stored unquantized"):
+    m3jax.load(tmp_path / "q")
+  # Quantized tensors but no quantization_config at all.
+  del cfg["quantization_config"]
+  cfg_path.write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match=r"is quantized \(mxfp8.*no quantization_config"):
+    convert(tmp_path / "q", tmp_path / "out", progress=False)
+  assert not (tmp_path / "out").exists()
+
+
+def test_malformed_quantized_tensors_are_named(tmp_path):
+  w8, s = q.quantize_mxfp8(np.ones((32, 48), np.float32))
+  d = tmp_path / "bad"
+  d.mkdir()
+  save_file({"a.weight": w8, "a.weight_scale_inv": np.ascontiguousarray(s[:5, :1])}, str(d / "model.safetensors"))
+  (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp8"}}))
+  with pytest.raises(CheckpointError, match=r"model\.safetensors: 'a\.weight_scale_inv': scale grid \[5, 1\]"):
+    TensorSource.open(d)
+  save_file({"a.weight": w8}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"'a\.weight' has dtype F8_E4M3.*without its scale"):
+    TensorSource.open(d).check(["a.weight"])
+  save_file({"a.weight_packed": np.zeros((4, 8), np.uint8)}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"NVFP4 weight 'a\.weight_packed' has no 'a\.weight_scale'"):
+    TensorSource.open(d)
