@@ -138,27 +138,40 @@ def assert_same_states(a, b):
 
 
 @pytest.mark.parametrize("layout", ["original", "hf"])
-def test_stacked_experts_stream_in_pieces(tmp_path, tiny_model, layout):
-  cfg = tiny_model.config
+def test_large_parameters_stream_in_pieces(tmp_path, tiny_model, layout):
   write_checkpoint(tiny_model, tmp_path / "src", layout=layout)
   source = TensorSource.open(tmp_path / "src")
-  _, rules = plan_text_load(cfg, source)
-  rule = next(r for r in rules if r.path[-1] == "w_gate_up")
-  shape = (8, 64, 64)  # E, H, 2I
-  pieces = split_rule(rule, shape, 4, max_bytes=3 * 64 * 64 * 4)  # 3 experts per piece
-  assert [(p.start, p.stop) for p in pieces] == [(0, 3), (3, 6), (6, 8)]
-  whole = rule.to_param([source.get(n) for n in rule.sources])
-  np.testing.assert_array_equal(np.concatenate([p.build(source) for p in pieces]), whole)
-  rebuilt = collections.defaultdict(list)  # hf: row ranges of one stacked tensor; original: per-expert tensors
-  for p in pieces:
-    for name, arr in zip(p.rule.sources, p.split(whole[p.start:p.stop])):
-      rebuilt[name].append(arr)
-  for name, arr in zip(rule.sources, rule.from_param(whole)):
-    np.testing.assert_array_equal(np.concatenate(rebuilt[name]), arr)
-  # A conversion with tiny pieces writes the same checkpoint as one with whole arrays.
+  _, rules = plan_text_load(tiny_model.config, source)
+  by_path = {r.path: r for r in rules}
+  model_params = params(tiny_model)
+  cases = {("layers", 1, "mlp", "w_gate_up"): (3 * 64 * 64 * 4, 3),  # [8, 64, 64]: 3 experts per piece
+           ("layers", 3, "mlp", "w_down"): (2 * 32 * 64 * 4, 4),  # [8, 32, 64]
+           ("embed",): (40_000, 4),  # [512, 64]: 156 rows per piece
+           ("lm_head",): (40_000, 4)}  # [64, 512]: 156 columns (= source rows) per piece
+  for path, (max_bytes, n_pieces) in cases.items():
+    rule, full = by_path[path], model_params[path]
+    pieces = split_rule(rule, full.shape, 4, max_bytes)
+    assert len(pieces) == n_pieces, path
+    built = np.full_like(full, np.nan)
+    for p in pieces:
+      built[p.index] = p.build(source)
+    np.testing.assert_array_equal(built, full)
+    rebuilt = collections.defaultdict(list)  # whole tensors, or leading-axis row ranges of them, in order
+    for p in pieces:
+      for name, arr in zip(p.names, p.split(full[p.index]), strict=True):
+        rebuilt[name].append(arr)
+    for name, arr in zip(rule.sources, rule.from_param(full)):
+      np.testing.assert_array_equal(np.concatenate(rebuilt[name]), arr)
+  # A conversion (and an export) with tiny pieces writes the same files as with whole arrays.
   convert(tmp_path / "src", tmp_path / "whole", progress=False)
   convert(tmp_path / "src", tmp_path / "pieces", max_piece_bytes=5000, progress=False)
   assert_same_states(tmp_path / "whole", tmp_path / "pieces")
+  if layout == "original":
+    export(tmp_path / "pieces", tmp_path / "exp_whole", progress=False)
+    export(tmp_path / "pieces", tmp_path / "exp_pieces", max_piece_bytes=5000, progress=False)
+    a, b = TensorSource.open(tmp_path / "exp_whole"), TensorSource.open(tmp_path / "exp_pieces")
+    assert sorted(a.keys()) == sorted(b.keys())
+    assert all(a.get(n).tobytes() == b.get(n).tobytes() for n in a.keys())
 
 
 def test_cli_convert_inspect_export(src, tmp_path, capsys):
@@ -202,39 +215,37 @@ def test_existing_destination_and_interruption(src, tmp_path):
   assert (out / "keep.txt").exists()
   with pytest.raises(CheckpointError, match="outside the input"):
     convert(src, src / "sub", progress=False)
-  # An exception mid-way: nothing at DST, no temporary left behind.
-  from m3jax.checkpoint import pieces  # pylint: disable=g-import-not-at-top
-
+  # An exception mid-way (Ctrl-C while reading the 10th tensor): nothing at DST, no temporary left behind.
   calls = []
-  real = pieces.Piece.build
+  real = TensorSource.get
 
-  def failing(self, reader):
-    calls.append(1)
+  def failing(self, name, rows=None):
+    calls.append(name)
     if len(calls) == 10:
       raise KeyboardInterrupt
-    return real(self, reader)
+    return real(self, name, rows)
 
-  pieces.Piece.build = failing
+  TensorSource.get = failing
   try:
     with pytest.raises(KeyboardInterrupt):
       convert(src, tmp_path / "interrupted", progress=False)
   finally:
-    pieces.Piece.build = real
+    TensorSource.get = real
   assert not (tmp_path / "interrupted").exists()
   assert sorted(os.listdir(tmp_path)) == ["out"]
   # A killed process (os._exit mid-write): DST absent, the leftover temporary does not load, a rerun works.
   script = f"""
 import os, sys
 sys.path.insert(0, {REPO!r})
-from m3jax.checkpoint import pieces
 from m3jax.checkpoint.convert import convert
-real, calls = pieces.Piece.build, []
-def build(self, reader):
-  calls.append(1)
+from m3jax.checkpoint.source import TensorSource
+real, calls = TensorSource.get, []
+def get(self, name, rows=None):
+  calls.append(name)
   if len(calls) == 20:
     os._exit(17)
-  return real(self, reader)
-pieces.Piece.build = build
+  return real(self, name, rows)
+TensorSource.get = get
 convert({str(src)!r}, {str(tmp_path / 'killed')!r}, progress=False)
 """
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -163,6 +163,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     plans.append((converted.model_key(path), tuple(var.shape), var_dtype,
                   split_rule(rule, tuple(var.shape), var_dtype.itemsize, max_piece_bytes)))
     used += rule.sources
+  if set(by_path) != {path for path, _ in flat}:
+    raise CheckpointError(f"internal: rules without parameters: {sorted(set(by_path) - {p for p, _ in flat})[:3]}")
   used_set = set(used)
 
   # Extra tensors: MTP (kept raw in its own subtree) or skipped, like the vision tensors of a text-only run.
@@ -199,11 +201,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     return cast(np.asarray(source.get(name)), out_dtype)
 
   for key, shape, var_dtype, pieces in plans:
-    leaves[key] = orbax_io.LazyArray(shape, var_dtype, [(p.start, p.stop, functools.partial(build, p, var_dtype))
+    leaves[key] = orbax_io.LazyArray(shape, var_dtype, [(p.index, functools.partial(build, p, var_dtype))
                                                         for p in pieces], bar.callback(len(pieces)))
   for key, name, out_dtype in extra_plans:
     shape = source.shape(name)
-    leaves[key] = orbax_io.LazyArray(shape, out_dtype, [(0, shape[0] if shape else 0,
+    leaves[key] = orbax_io.LazyArray(shape, out_dtype, [(tuple(slice(0, n) for n in shape),
                                                          functools.partial(read_extra, name, out_dtype))],
                                      bar.callback(1))
   try:

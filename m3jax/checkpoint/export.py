@@ -78,20 +78,25 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
   meta = converted.check_params(src, flat)
   reader = orbax_io.SliceReader(converted.state_dir(src))
 
-  # Production order: (key, piece, [(name, shape, dtype)]) per step.
-  steps: list[tuple[orbax_io.KeyPath, Piece | None, list[tuple[str, tuple[int, ...], str]]]] = []
+  # Production order: steps (state key, piece or None for a whole extra tensor, output names) and the output
+  # tensors (name, full shape, dtype) in the order their first bytes are produced.
+  steps: list[tuple[orbax_io.KeyPath, Piece | None, tuple[str, ...]]] = []
+  entries: list[tuple[str, tuple[int, ...], str]] = []
   for rule in build_rules(cfg, "original"):
     key = converted.model_key(rule.path)
     info = meta[key]
     st_dtype = SAFETENSORS_DTYPES[info.dtype]
+    shapes = dict(zip(rule.sources, rule.source_shapes))
+    seen: set[str] = set()
     for piece in split_rule(rule, info.shape, info.dtype.itemsize, max_piece_bytes):
-      steps.append((key, piece, [(n, s, st_dtype) for n, s in zip(piece.rule.sources, piece.rule.source_shapes)]))
+      steps.append((key, piece, piece.names))
+      entries += [(n, shapes[n], st_dtype) for n in piece.names if n not in seen]
+      seen.update(piece.names)
   for rel in converted.extra_names(marker, converted.MTP):
     info = meta[converted.extra_key(converted.MTP, rel)]
-    steps.append((converted.extra_key(converted.MTP, rel), None,
-                  [(MTP_PREFIX + rel, info.shape, SAFETENSORS_DTYPES[info.dtype])]))
+    steps.append((converted.extra_key(converted.MTP, rel), None, (MTP_PREFIX + rel,)))
+    entries.append((MTP_PREFIX + rel, info.shape, SAFETENSORS_DTYPES[info.dtype]))
 
-  entries = [e for _, _, es in steps for e in es]
   shards = _assign_shards(entries, max_shard_bytes)
   n_shards = max(shards.values(), default=0) + 1
   fnames = ["model.safetensors"] if n_shards == 1 else [
@@ -112,16 +117,9 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
                                        [e for e in entries if shards[e[0]] == i], {"format": "pt"})
         return writers[i]
 
-      for key, piece, outs in steps:
-        if piece is None:
-          arrays = [reader.read(key)]
-        else:
-          rows = None if (piece.start, piece.stop) == (0, meta[key].shape[0] if meta[key].shape else 0) else (
-              slice(piece.start, piece.stop))
-          arrays = piece.split(reader.read(key, rows))
-        for (name, shape, _), arr in zip(outs, arrays):
-          if tuple(arr.shape) != tuple(shape):
-            raise CheckpointError(f"internal: {name!r} exported with shape {arr.shape}, expected {shape}")
+      for key, piece, names in steps:
+        arrays = [reader.read(key)] if piece is None else piece.split(reader.read(key, piece.index))
+        for name, arr in zip(names, arrays, strict=True):
           writer_for(name).write(name, arr)
           bar.update(arr.nbytes)
       for w in writers.values():

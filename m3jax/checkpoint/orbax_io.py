@@ -35,13 +35,13 @@ INFLIGHT_BYTES = 256 * 2**20
 
 @dataclasses.dataclass
 class LazyArray:
-  """A leaf produced piece by piece: ``pieces`` = [(start, stop, make)] covering rows [0, shape[0]) in order;
-  make() returns the rows [start, stop) as a numpy array of ``dtype``. ``on_piece(nbytes)`` is called after each
-  piece is handed to TensorStore (progress reporting)."""
+  """A leaf produced piece by piece: ``pieces`` = [(index, make)] whose regions (a slice per axis) tile the
+  array; make() returns array[index] as a numpy array of ``dtype``. The first piece is the largest (it sets the
+  chunk layout). ``on_piece(nbytes)`` is called after each piece is written (progress reporting)."""
 
   shape: tuple[int, ...]
   dtype: np.dtype
-  pieces: Sequence[tuple[int, int, Callable[[], np.ndarray]]]
+  pieces: Sequence[tuple[tuple[slice, ...], Callable[[], np.ndarray]]]
   on_piece: Callable[[int], None] | None = None
 
   @property
@@ -78,8 +78,7 @@ class _LazyArrayHandler(type_handlers.NumpyHandler):
 
     async def open_store(value, info, arg):
       await info.await_path_creation()
-      rows = max((stop - start for start, stop, _ in value.pieces), default=0)
-      write_shape = (max(rows, 1),) + tuple(value.shape[1:]) if value.shape else ()
+      write_shape = tuple(max(s.stop - s.start, 1) for s in value.pieces[0][0])
       spec = ts_utils.build_array_write_spec(
           info=info, arg=arg, global_shape=value.shape, local_shape=write_shape, dtype=np.dtype(value.dtype),
           use_ocdbt=info.is_ocdbt_checkpoint,
@@ -90,15 +89,17 @@ class _LazyArrayHandler(type_handlers.NumpyHandler):
     stores = await asyncio.gather(*[open_store(v, i, a) for v, i, a in zip(values, infos, args)])
     try:
       for value, info, store in zip(values, infos, stores):
-        for start, stop, make in value.pieces:
+        for index, make in value.pieces:
           data = np.asarray(make())
-          want = (stop - start,) + tuple(value.shape[1:]) if value.shape else ()
+          want = tuple(s.stop - s.start for s in index)
           if data.shape != want or data.dtype != np.dtype(value.dtype):
-            raise ValueError(f"internal: piece [{start}:{stop}] of {info.name} is {data.shape} {data.dtype}, "
+            raise ValueError(f"internal: piece {index} of {info.name} is {data.shape} {data.dtype}, "
                              f"expected {want} {np.dtype(value.dtype)}")
           await drain(max(INFLIGHT_BYTES - data.nbytes, 0))
-          target = store[start:stop] if value.shape else store
-          pending.append((target.write(data), data.nbytes, value.on_piece))
+          target = store[index] if value.shape else store
+          # The arrays are never modified after this point, so TensorStore may keep references instead of copies.
+          pending.append((target.write(data, can_reference_source_data_indefinitely=True), data.nbytes,
+                          value.on_piece))
           del data
     except BaseException:
       for future, _, _ in pending:  # let TensorStore finish touching the directory before the caller removes it
@@ -208,6 +209,7 @@ class SliceReader:
       self._stores[keypath] = ts.open(spec, open=True, read=True, context=self._ctx).result()
     return self._stores[keypath]
 
-  def read(self, keypath: KeyPath, rows: slice | None = None) -> np.ndarray:
+  def read(self, keypath: KeyPath, index: tuple[slice, ...] | slice | None = None) -> np.ndarray:
+    """The whole leaf, or its region ``index`` (a slice per axis, or one slice of the leading axis)."""
     store = self._store(keypath)
-    return np.asarray((store if rows is None else store[rows]).read().result())
+    return np.asarray((store if index is None else store[index]).read().result())
