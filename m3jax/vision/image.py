@@ -3,9 +3,10 @@ bicubic resize -> CLIP normalisation -> duplicate to ``temporal_patch_size`` fra
 rows [gh * gw, C * T * P * P] in spatial-merge-block order.
 
 Resize kernel: PIL's antialiased BICUBIC (a = -0.5, support scaled when shrinking). HF and vLLM resize with
-torchvision (``antialias=True``), the same filter family in a different fixed-point implementation; on the
-committed fixtures the two differ by at most 2 uint8 levels on < 1% of pixels, i.e. at most
-2 / 255 / 0.2613 = 0.030 after normalisation (tests/test_preprocess_hf.py measures it).
+torchvision (``antialias=True``), the same filter in a different fixed-point implementation: on the committed
+fixtures the resized images differ by at most 1 uint8 level (0.1% to 23% of the pixels), i.e. at most
+1 / 255 / 0.2613 = 0.0150 after normalisation (tests/test_preprocess_hf.py); 2 levels were seen on noisy
+synthetic images. Everything after the resize is bit-identical to HF.
 """
 
 from __future__ import annotations
