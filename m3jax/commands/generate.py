@@ -6,11 +6,14 @@ import argparse
 import sys
 import time
 
+from m3jax.parallel import cli as parallel_cli
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)")
   p.add_argument("checkpoint", help="checkpoint directory (safetensors or converted)")
   add_generation_arguments(p)
+  parallel_cli.add_mesh_arguments(p)
   p.set_defaults(func=run)
 
 
@@ -34,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
 
   if args.prompt is None and args.prompt_ids is None:
     raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
-  model = m3jax.load(args.checkpoint, kernels=args.kernels)
+  if hasattr(args, "mesh"):
+    parallel_cli.init_distributed(args)
+  model = m3jax.load(args.checkpoint, kernels=args.kernels,
+                     **(parallel_cli.load_kwargs(args) if hasattr(args, "mesh") else {}))
   tokenizer = None
   if args.prompt is not None:
     tokenizer = tok_lib.load_tokenizer(args.checkpoint)

@@ -10,11 +10,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("inspect", help="summarise a checkpoint (config, parameters by component, dtypes, size)",
                      description=__doc__)
   p.add_argument("path", help="checkpoint directory (safetensors or `m3jax convert` output)")
+  g = p.add_argument_group("per-device memory plan (m3jax.parallel.memory)")
+  g.add_argument("--mesh", default=None, help="plan bytes per device for a mesh, e.g. expert=4,tensor=2 or tensor=8")
+  g.add_argument("--batch", type=int, default=1, help="sequences in the cache (default 1)")
+  g.add_argument("--context", type=int, default=None, help="cache tokens per sequence (default: max positions)")
+  g.add_argument("--sequence-parallel", action="store_true", help="plan with RULES_SP")
+  g.add_argument("--fp8-experts", action="store_true",
+                 help="forecast routed experts kept in MXFP8 (1 + 1/32 bytes per weight); others in bf16")
   p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
   from m3jax.checkpoint.inspect import inspect_checkpoint  # pylint: disable=g-import-not-at-top
 
-  print("\n".join(inspect_checkpoint(args.path).lines()))
+  report = inspect_checkpoint(args.path)
+  print("\n".join(report.lines()))
+  if getattr(args, "mesh", None):
+    from m3jax import sharding  # pylint: disable=g-import-not-at-top
+    from m3jax.parallel.memory import FP8_BYTES, plan_memory  # pylint: disable=g-import-not-at-top
+
+    context = args.context or report.config.text.max_position_embeddings
+    dtype = "bfloat16" if args.fp8_experts else report.dtype
+    plan = plan_memory(report.config, args.mesh, batch=args.batch, context=context, dtype=dtype,
+                       expert_bytes=FP8_BYTES if args.fp8_experts else None,
+                       rules=sharding.RULES_SP if args.sequence_parallel else sharding.RULES)
+    print("\n".join(plan.lines()))
   return 0

@@ -1,0 +1,145 @@
+"""Per-device memory plan: weight and cache bytes on each device for a mesh, batch and context length.
+
+Pure arithmetic over the abstract model (nothing allocated, no devices needed), so the full 427B model can be
+planned on a laptop: ``m3jax inspect PATH --mesh expert=8 --batch 8 --context 131072`` or ``plan_memory``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax import logical_axes as ax
+from m3jax.sharding import RULES, Rules, check_config, format_mesh, logical_spec, mesh_sizes, spec_axes
+
+# MXFP8 (M3_SPEC §6.1): one fp8 byte per weight plus one e8m0 scale byte per 32 weights.
+FP8_BYTES = 1 + 1 / 32
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Bytes per device (every device holds the same amount: shardings are even)."""
+
+  mesh: dict[str, int]
+  batch: int
+  context: int
+  weights: dict[str, int]  # component -> bytes per device
+  weights_global: int  # bytes of one full copy of the weights
+  cache: dict[str, int]  # 'kv' / 'index keys' -> bytes per device
+  cache_global: int
+  kv_heads_stored: int  # KV heads per layer in the cache (after replication)
+  notes: tuple[str, ...] = ()
+
+  @property
+  def weights_per_device(self) -> int:
+    return sum(self.weights.values())
+
+  @property
+  def cache_per_device(self) -> int:
+    return sum(self.cache.values())
+
+  @property
+  def total_per_device(self) -> int:
+    return self.weights_per_device + self.cache_per_device
+
+  def lines(self) -> list[str]:
+    n = math.prod(self.mesh.values())
+    out = [f"per-device plan for mesh {format_mesh(self.mesh)} ({n} devices), batch {self.batch}, "
+           f"context {self.context} tokens:"]
+    for name, b in self.weights.items():
+      out.append(f"  weights / {name:<15} {_gib(b):>10}")
+    out.append(f"  weights total             {_gib(self.weights_per_device):>10}  (one full copy: "
+               f"{_gib(self.weights_global)})")
+    for name, b in self.cache.items():
+      out.append(f"  cache / {name:<17} {_gib(b):>10}")
+    out.append(f"  cache total               {_gib(self.cache_per_device):>10}  (global {_gib(self.cache_global)}; "
+               f"{self.kv_heads_stored} KV heads stored per layer)")
+    out.append(f"  weights + cache           {_gib(self.total_per_device):>10}  per device (activations and "
+               "compiler workspace not included)")
+    out.extend(f"  note: {note}" for note in self.notes)
+    return out
+
+
+def _gib(b: float) -> str:
+  from m3jax.checkpoint.fsutil import format_bytes  # pylint: disable=g-import-not-at-top
+
+  return format_bytes(b)  # decimal units, as GPU memory is quoted (H200: 141 GB)
+
+
+def _component(path: tuple[Any, ...]) -> str:
+  from m3jax.checkpoint.inspect import component  # pylint: disable=g-import-not-at-top
+
+  return component(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _abstract_params(config: Any, dtype: Any) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...]], ...]:
+  """(component, shape, dtype, logical names) of every parameter of the model the loader would build."""
+  from m3jax.checkpoint.loader import abstract_model  # pylint: disable=g-import-not-at-top
+
+  _, flat = abstract_model(config, dtype)
+  return tuple((_component(path), tuple(var.shape), var.dtype,
+                tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))) for path, var in flat)
+
+
+def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int, context: int,
+                dtype: Any = jnp.bfloat16, expert_bytes: float | None = None, cache_dtype: Any = None,
+                rules: Rules = RULES) -> MemoryPlan:
+  """Weight and cache bytes per device.
+
+  Args:
+    config: M3Config.
+    mesh: a Mesh, {'expert': 8}, or 'data=1,expert=8,tensor=1'.
+    batch, context: cache size (sequences x tokens).
+    dtype: parameter dtype (router weights / correction biases stay fp32, as in the model).
+    expert_bytes: bytes per routed-expert weight if different (e.g. FP8_BYTES for an MXFP8 forecast).
+    cache_dtype: KV / index-key cache dtype (default: dtype).
+  """
+  sizes = mesh_sizes(mesh)
+  check_config(config, sizes, rules)
+  weights: dict[str, float] = {}
+  total = 0.0
+  for comp, shape, param_dtype, names in _abstract_params(config, jnp.dtype(dtype)):
+    itemsize = np.dtype(param_dtype).itemsize
+    if expert_bytes is not None and comp == "routed experts":
+      itemsize = expert_bytes
+    spec = logical_spec(names, sizes, rules)
+    split = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
+    nbytes = math.prod(shape) * itemsize
+    total += nbytes
+    weights[comp] = weights.get(comp, 0.0) + nbytes / split
+  t = config.text
+  heads_ranks = math.prod(sizes[a] for a in spec_axes(logical_spec((ax.ACT_HEADS,), sizes, rules)[0]))
+  kv_heads = t.num_kv_heads * (heads_ranks // t.num_kv_heads if heads_ranks > t.num_kv_heads else 1)
+  cache_item = np.dtype(jnp.dtype(cache_dtype or dtype)).itemsize
+  kv_axes = (ax.CACHE_BATCH, ax.CACHE_SEQ, ax.CACHE_HEADS, ax.CACHE_DIM)
+  kv_shape = (batch, context, kv_heads, t.head_dim)
+  idx_axes = (ax.CACHE_BATCH, ax.CACHE_SEQ, ax.CACHE_DIM)
+  idx_shape = (batch, context, t.index_head_dim)
+
+  def per_device(names, shape) -> tuple[float, float]:
+    spec = logical_spec(names, sizes, rules, shape)
+    split = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
+    full = math.prod(shape) * cache_item
+    return full / split, full
+
+  kv_dev, kv_full = per_device(kv_axes, kv_shape)
+  idx_dev, idx_full = per_device(idx_axes, idx_shape)
+  n_sparse = t.num_sparse_layers
+  cache = {"kv": 2 * t.num_layers * kv_dev, "index keys": n_sparse * idx_dev}
+  global_cache = (2 * t.num_layers * kv_full * t.num_kv_heads / kv_heads + n_sparse * idx_full)
+  notes = []
+  if kv_heads > t.num_kv_heads:
+    notes.append(f"tensor axis ({heads_ranks}) > {t.num_kv_heads} KV heads: each KV / index head is replicated "
+                 f"{kv_heads // t.num_kv_heads}x (vLLM), each device stores {kv_heads // heads_ranks} KV head(s)")
+  if expert_bytes is not None:
+    notes.append(f"routed experts at {expert_bytes:g} bytes/weight (forecast; m3jax dequantizes on load today)")
+  return MemoryPlan(mesh=sizes, batch=batch, context=context, weights={k: int(v) for k, v in weights.items()},
+                    weights_global=int(total), cache={k: int(v) for k, v in cache.items()},
+                    cache_global=int(global_cache), kv_heads_stored=kv_heads, notes=tuple(notes))

@@ -1,0 +1,135 @@
+"""Sharding checks on simulated CPU devices, run in a subprocess by tests/test_sharding.py (the device count
+must be set before jax is imported). Prints one JSON object on the last stdout line.
+
+  python tests/sharding_worker.py forward FIXTURE MESH[+sp] ...   sharded vs single-device logits
+  python tests/sharding_worker.py generate FIXTURE MESH[+sp] ...  sharded greedy tokens vs the fixture's
+  python tests/sharding_worker.py bytes FIXTURE MESH ...           per-device parameter bytes vs the plan
+  python tests/sharding_worker.py distributed FIXTURE MESH PORT PROCESS_ID NUM_PROCESSES
+
+MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP).
+Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                           + os.environ.get("M3JAX_TEST_DEVICES", "8"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+def _mesh_and_rules(arg: str):
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+
+  sp = arg.endswith("+sp")
+  return sharding.make_mesh(arg.removesuffix("+sp")), (sharding.RULES_SP if sp else sharding.RULES)
+
+
+def _load(fixture: str, mesh_arg: str | None):
+  import m3jax  # pylint: disable=g-import-not-at-top
+
+  path = FIXTURES / fixture / "checkpoint"
+  if mesh_arg is None:
+    return m3jax.load(path, kernels="reference")
+  mesh, rules = _mesh_and_rules(mesh_arg)
+  return m3jax.load(path, kernels="reference", mesh=mesh, axis_rules=rules)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+  return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def forward(fixture: str, *meshes: str) -> dict:
+  ids = np.load(FIXTURES / fixture / "reference.npz")["input_ids"]
+  want = np.asarray(_load(fixture, None)(ids))
+  out = {}
+  for mesh in meshes:
+    start = time.perf_counter()
+    model = _load(fixture, mesh)
+    got = np.asarray(model(ids))
+    out[mesh] = {"rel_err": _rel(got, want), "seconds": time.perf_counter() - start}
+  return out
+
+
+def _prompts(fixture: str):
+  ref = np.load(FIXTURES / fixture / "reference.npz")
+  return [ref["input_ids"][b, : ref["gen_prompt_lens"][b]].tolist() for b in range(2)], ref["gen_tokens"]
+
+
+def generate(fixture: str, *meshes: str) -> dict:
+  from m3jax.generate import generate as gen  # pylint: disable=g-import-not-at-top
+
+  prompts, want = _prompts(fixture)
+  # Four rows (each prompt twice) so a batch can split over data x expert; each row must match its prompt.
+  prompts, want = prompts + prompts[::-1], np.concatenate([want, want[::-1]])
+  out = {}
+  for mesh in meshes:
+    start = time.perf_counter()
+    model = _load(fixture, mesh)
+    tokens = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=()).tokens
+    caches = model.init_caches(len(prompts), 256)
+    out[mesh] = {"equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
+                 "cache_k": [list(caches[0].k.shape), str(caches[0].k.sharding.spec)],
+                 "seconds": time.perf_counter() - start}
+  return out
+
+
+def param_bytes(fixture: str, *meshes: str) -> dict:
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.parallel.memory import plan_memory  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  for mesh_arg in meshes:
+    model = _load(fixture, mesh_arg)
+    state = nnx.state(model)
+    per_device = sharding.per_device_bytes(state)
+    experts = sharding.per_device_bytes([l.mlp.w_gate_up.get_value() for l in model.layers if hasattr(l.mlp, "router")])
+    plan = plan_memory(model.config, mesh_arg, batch=1, context=128, dtype=model.dtype)
+    out[mesh_arg] = {"per_device": sorted(set(per_device.values())),
+                     "plan": plan.weights_per_device, "plan_experts": plan.weights.get("routed experts", 0),
+                     "total": sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)),
+                     "expert_gate_up_per_device": sorted(set(experts.values())),
+                     "expert_gate_up_total": sum(int(np.prod(l.mlp.w_gate_up.shape)) * 4
+                                                 for l in model.layers if hasattr(l.mlp, "router"))}
+  return out
+
+
+def distributed(fixture: str, mesh_arg: str, port: str, process_id: str, num_processes: str) -> dict:
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=int(num_processes),
+                             process_id=int(process_id))
+  from m3jax.generate import generate as gen  # pylint: disable=g-import-not-at-top
+
+  ids = np.load(FIXTURES / fixture / "reference.npz")["input_ids"][:, :256]
+  local = jax.local_devices()[0]
+  with jax.default_device(local):
+    want = np.asarray(_load(fixture, None)(ids))
+  model = _load(fixture, mesh_arg)
+  got = np.asarray(multihost_utils.process_allgather(model(ids), tiled=True))
+  prompts, want_tokens = _prompts(fixture)
+  tokens = gen(model, prompts, max_new_tokens=8, eos_token_ids=()).tokens
+  return {"process": jax.process_index(), "processes": jax.process_count(), "devices": jax.device_count(),
+          "rel_err": _rel(got, want), "tokens_equal": bool((tokens == want_tokens[:, :8]).all())}
+
+
+def main(argv: list[str]) -> None:
+  commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed}
+  result = commands[argv[0]](*argv[1:])
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
