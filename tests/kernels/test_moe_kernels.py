@@ -84,12 +84,13 @@ CASES = [
 
 
 # fp32 multi_tile is not generated in interpret mode (bf16 covers that tiling; it keeps the CPU run short).
-_MATRIX = [(mode, dtype, *case) for mode in MODES for dtype in (jnp.bfloat16, jnp.float32) for case in CASES
-           if not (dtype == jnp.float32 and case[0] == "multi_tile" and mode == "interpret")]
+_MATRIX = [pytest.param(mode.values[0], dtype, *case, marks=mode.marks,
+                        id=f"{mode.values[0]}-{jnp.dtype(dtype).name}-{case[0]}")
+           for mode in MODES for dtype in (jnp.bfloat16, jnp.float32) for case in CASES
+           if not (dtype == jnp.float32 and case[0] == "multi_tile" and mode.values[0] == "interpret")]
 
 
-@pytest.mark.parametrize("mode,dtype,name,t,e,top_k,force", _MATRIX,
-                         ids=[f"{m}-{jnp.dtype(d).name}-{c}" for m, d, c, *_ in _MATRIX])
+@pytest.mark.parametrize("mode,dtype,name,t,e,top_k,force", _MATRIX)
 def test_moe_block_matches_reference(mode, dtype, name, t, e, top_k, force):
   args = _make(t, 128, 128, e, 128, dtype, seed=len(name), force_experts=force)
   _check(args, top_k, mode)
