@@ -26,7 +26,10 @@ from pallas_kernels.attention import (
     SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
-from pallas_kernels.indexer import IndexerBlockSizes, indexer_topk, indexer_topk_reference
+from pallas_kernels.attention.plan import sparse_plan
+from pallas_kernels.indexer import IndexerBlockSizes, index_block_scores_reference, indexer_topk
+from pallas_kernels.indexer import indexer_topk_reference
+from pallas_kernels.indexer.api import select_blocks_sorted
 
 NQ, NKV, D, HI, DI, TOPK, BLOCK = 64, 4, 128, 4, 128, 16, 128
 SCALE = D ** -0.5
@@ -145,6 +148,9 @@ def sparse_prefill(s, correlated, with_ref, variants):
   ids = indexer_topk(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1, interpret=INTERPRET)
   flops = attended_flops(ids, pos)
   sel = "correlated" if correlated else "random"
+  plan = sparse_plan(ids, pos, num_keys=s, queries_per_tile=4, heads_per_group=NQ // NKV)
+  record("sparse_union", S=s, selection=sel, mean_list_len_q4=float(plan.count.mean()),
+         mean_selected=float((np.asarray(ids) >= 0).sum(-1).mean()))
   ref = None
   if with_ref:
     fn = jax.jit(functools.partial(sparse_attention_reference, block_size=BLOCK, scale=SCALE))
@@ -201,6 +207,16 @@ def decode(b, s, bandwidth_gbs):
   ref, ref_ms, _ = gpu_ms(ref_fn, idx_q, idx_k, q, k, v, pos, iters=3)
   out, ms, how = gpu_ms(fn, idx_q, idx_k, q, k, v, pos, iters=10)
   err = rel_err(out, ref)
+  # Diagnostics: selections (kernel / XLA reference / reference scores + sort) and attention alone.
+  kw = dict(block_size=BLOCK, topk=TOPK, local_blocks=1)
+  ids_k = indexer_topk(idx_q, idx_k, pos, interpret=INTERPRET, **kw)
+  ids_r = indexer_topk_reference(idx_q, idx_k, pos, **kw)
+  ids_s = select_blocks_sorted(index_block_scores_reference(idx_q, idx_k, pos, block_size=BLOCK), pos,
+                               topk=TOPK, local_blocks=1, init_blocks=0)
+  attn_k = sparse_attention(q, k, v, ids_r, pos, block_size=BLOCK, scale=SCALE, interpret=INTERPRET)
+  attn_r = sparse_attention_reference(q, k, v, ids_r, pos, block_size=BLOCK, scale=SCALE)
+  record("decode_check", B=b, S=s, ids_kernel_vs_ref=set_match(ids_k, ids_r), ids_kernel_vs_sorted_ref=set_match(ids_k, ids_s),
+         ids_ref_vs_sorted_ref=set_match(ids_r, ids_s), attention_only_rel_err=rel_err(attn_k, attn_r))
   record("decode", B=b, S=s, us=round(ms * 1e3, 1), roofline_us=round(roof_us, 1), x_roofline=round(ms * 1e3 / roof_us, 2),
          xla_reference_us=round(ref_ms * 1e3, 1), rel_err=err, timer=how)
   try:
@@ -222,7 +238,7 @@ def table() -> str:
       lines.append(f"| decode | B={r['B']} S={r['S']} | indexer+top16+sparse | {r['us']} us | "
                    f"{r['x_roofline']}x roofline ({r['roofline_us']} us); XLA ref {r['xla_reference_us']} us | "
                    f"rel_err={r['rel_err']} |")
-    elif r["section"] == "decode_kernels":
+    elif r["section"] in ("decode_kernels", "decode_check", "sparse_union"):
       continue
     else:
       case = f"S={r['S']}" + (f" {r['selection']}" if "selection" in r else "")
@@ -238,6 +254,7 @@ def main():
   ap.add_argument("--quick", action="store_true", help="fewer variants, no 128K XLA references")
   ap.add_argument("--decode", default="1x32768,8x32768,32x32768,64x32768,1x131072", help="BxS list")
   ap.add_argument("--interpret", action="store_true", help="CPU dry run (use tiny --sizes/--decode)")
+  ap.add_argument("--sections", default="indexer,sparse,dense,decode")
   args = ap.parse_args()
   global INTERPRET
   INTERPRET = args.interpret
@@ -246,20 +263,24 @@ def main():
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
   variants = [
-      ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
       ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
-      ("Q=4 P-in-smem", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2, p_in_smem=True)),
-      ("Q=1 stages=2", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=2)),
+      ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
+      ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),
+      ("Q=1 stages=1", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=1)),
   ]
   if INTERPRET:
     variants = variants[:1]
+  sections = set(args.sections.split(","))
   for s in sizes:
     with_ref = s <= 40000 or not args.quick
-    indexer_prefill(s, with_ref)
-    sparse_prefill(s, False, with_ref, variants if s <= 40000 else variants[:2])
-    sparse_prefill(s, True, False, variants[:2] + variants[3:] if not INTERPRET else variants)
-    dense_prefill(s, s <= 40000)
-  for case in filter(None, args.decode.split(",")):
+    if "indexer" in sections:
+      indexer_prefill(s, with_ref)
+    if "sparse" in sections:
+      sparse_prefill(s, False, with_ref, variants if s <= 40000 else variants[:2])
+      sparse_prefill(s, True, False, variants[:1] + variants[2:] if not INTERPRET else variants)
+    if "dense" in sections and (s <= 40000 or not args.quick):
+      dense_prefill(s, s <= 40000)
+  for case in filter(None, args.decode.split(",") if "decode" in sections else []):
     b, s = map(int, case.split("x"))
     decode(b, s, bw)
   md = table()

@@ -95,7 +95,7 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   kp, vp = _pad_keys(k, v)
   o, lse = attention_pallas(
       q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
-      check_users=check_users and block_sizes.queries_per_tile > 1, p_in_smem=block_sizes.p_in_smem,
+      check_users=check_users, p_in_smem=block_sizes.p_in_smem,
       interpret=_interpret_params(interpret),
   )
   return _merge_splits(o, lse)[:, :sq]

@@ -176,8 +176,8 @@ def attention_pallas(
     q: [B, Sq_pad, Nq, D] with Sq_pad % queries_per_tile == 0; k, v: [B, Sk_pad, Nkv, D], Sk_pad % 128 == 0.
     plan: TilePlan built for these shapes and block_sizes.queries_per_tile.
     scale: softmax scale.
-    check_users: False when every listed block is used by every query of the tile (dense plans, or one
-      query per tile), which skips the per-block user mask.
+    check_users: False when every listed block is used by every query of the tile (dense plans), which
+      skips the per-block user mask.
     p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode, which cannot
       take wgmma's A operand from registers; by default P stays in registers on the GPU).
 
@@ -214,8 +214,10 @@ def attention_pallas(
   outs = plgpu.kernel(
       kernel,
       out_type=out_type,
-      grid=(num_tiles, nkv * splits, b),
-      grid_names=("tile", "group_split", "batch"),
+      # Mosaic maps the last grid axis to CUDA x (the fastest-launched, 2^31 - 1 limit; y/z <= 65535):
+      # consecutive CTAs are consecutive tiles of one KV group, which share its K/V blocks in L2.
+      grid=(b, nkv * splits, num_tiles),
+      grid_names=("batch", "group_split", "tile"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,

@@ -5,7 +5,8 @@ kernel walks a list of key blocks; for each list entry it also gets a bitmask of
 that use that block (bit i = query i of the tile). Rows of the wgmma tile are (query i, head h) with
 row = i * heads_per_group + h.
 
-* sparse: the list is the sorted union of the Q queries' selected ids (duplicates and -1 removed).
+* sparse: the list is the sorted union of the Q queries' selected ids (duplicates and -1 removed); for
+  Q = 1 it is the query's own T slots (an empty slot has users = 0, so the kernel masks it).
 * dense causal: the list is every block 0 .. last block any query of the tile can see.
 """
 
@@ -100,7 +101,12 @@ def sparse_plan(
   ids = jnp.where((block_ids >= 0) & (block_ids < num_blocks), block_ids, -1).astype(jnp.int32)
   ids = jnp.where(q_positions[:, :, None, None] >= 0, ids, -1)
   ids = jnp.moveaxis(ids.reshape(b, sq_pad // q, q, g, t), 3, 2)  # [B, tiles, G, Q, T]
-  blocks, users, count = _union_of_selections(ids)
+  if q == 1:  # the query's own list as is: empty slots load block 0 and mask it (no sort for decode)
+    blocks = jnp.maximum(ids[..., 0, :], 0)
+    users = (ids[..., 0, :] >= 0).astype(jnp.int32)
+    count = jnp.full(blocks.shape[:-1], t, jnp.int32)
+  else:
+    blocks, users, count = _union_of_selections(ids)
   row_limit, row_bit = _row_metadata(q_positions, num_keys, q, heads_per_group)
   return TilePlan(blocks, users, count, row_limit, row_bit)
 

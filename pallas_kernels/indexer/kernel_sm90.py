@@ -218,8 +218,10 @@ def indexer_pallas(
   return plgpu.kernel(
       kernel,
       out_type=out_type,
-      grid=(num_tiles, splits, batch),
-      grid_names=("tile", "split", "batch"),
+      # The last grid axis is CUDA x (fastest-launched, no 65535 limit): consecutive CTAs are
+      # neighbouring row tiles of one sequence, which stream the same idx_k blocks through L2.
+      grid=(batch, splits, num_tiles),
+      grid_names=("batch", "split", "tile"),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
