@@ -16,6 +16,8 @@ from m3jax.checkpoint.writer import write_checkpoint
 from m3jax.model import M3ForCausalLM
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<user>", "<assistant>"]
+# M3's vision markers (the placeholder, video placeholder, and the image start / end tokens).
+VISION_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -26,22 +28,27 @@ def train_demo_tokenizer(vocab_size: int = 384) -> Tokenizer:
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS + VISION_TOKENS,
+                                show_progress=False,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tok.train_from_iterator(text.splitlines(), trainer=trainer)
   return tok
 
 
 def build_demo_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0) -> str:
-  """Writes config.json, safetensors (original layout), tokenizer and generation files to ``out_dir``."""
+  """Writes config.json, safetensors (original layout, text + a tiny vision tower), tokenizer and generation
+  files to ``out_dir``."""
   out_dir = os.fspath(out_dir)
   tok = train_demo_tokenizer()
   base = m3config.tiny(block_size=16)
   eos, bos = tok.token_to_id("<eos>"), tok.token_to_id("<bos>")
   text = base.text.__class__(**{**base.text.__dict__, "vocab_size": tok.get_vocab_size(), "bos_token_id": bos,
                                 "eos_token_ids": (eos,)})
-  cfg = m3config.M3Config(text=text)
-  model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed))
+  with_vision = m3config.tiny(block_size=16, vision=True)
+  cfg = m3config.M3Config(text=text, vision=with_vision.vision, projector_hidden_size=text.hidden_size,
+                          image_token_id=tok.token_to_id(VISION_TOKENS[0]),
+                          video_token_id=tok.token_to_id(VISION_TOKENS[1]))
+  model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed), with_vision=True)
   write_checkpoint(model, out_dir, layout="original")
   tok.save(os.path.join(out_dir, "tokenizer.json"))
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:

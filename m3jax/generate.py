@@ -62,6 +62,21 @@ def cache_length_for(prompt_bucket: int, max_new_tokens: int) -> int:
   return -(-need // _CACHE_ALIGN) * _CACHE_ALIGN
 
 
+def pad_embeds(prompt_embeds: jax.Array | np.ndarray | None, padded: np.ndarray) -> jax.Array | None:
+  """Right-pads multimodal prompt embeddings [B, S, H] to the prompt bucket [B, bucket, H]."""
+  if prompt_embeds is None:
+    return None
+  b, bucket = padded.shape
+  if prompt_embeds.ndim != 3 or prompt_embeds.shape[0] != b or prompt_embeds.shape[1] > bucket:
+    raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}; expected [batch={b}, <= {bucket}, hidden]")
+  return jnp.pad(jnp.asarray(prompt_embeds), ((0, 0), (0, bucket - prompt_embeds.shape[1]), (0, 0)))
+
+
+def _put_embeds(put, prompt_embeds, padded: np.ndarray) -> jax.Array | None:
+  embeds = pad_embeds(prompt_embeds, padded)
+  return None if embeds is None else put(embeds)
+
+
 def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max_new_tokens: int,
               max_length: int | None) -> int:
   """Checks sizes before any compute; returns the cache length."""
@@ -81,13 +96,14 @@ def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max
   return cache_len if max_length is None else max(min(cache_len, max_length), longest + max_new_tokens)
 
 
-def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_len: int
-             ) -> tuple[jax.Array, tuple]:
-  """prompt int32 [B, S], lengths [B] -> (logits fp32 [B, V] at each last prompt token, caches)."""
+def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_len: int,
+             embeds: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+  """prompt int32 [B, S], lengths [B] (embeds [B, S, H] for multimodal prompts) -> (logits fp32 [B, V] at each
+  last prompt token, caches)."""
   b, s = prompt.shape
   caches = model.init_caches(b, cache_len)
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  out = model.forward(prompt, positions=positions, caches=caches, logits_at=lengths - 1)
+  out = model.forward(prompt, positions=positions, caches=caches, logits_at=lengths - 1, inputs_embeds=embeds)
   return out.logits[:, 0], out.caches
 
 
@@ -99,12 +115,12 @@ def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "cache_len"))
-def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, max_new_tokens: int,
+def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
                   sampling: SamplingParams, cache_len: int):
   """The whole generation loop (prefill + lax.while_loop of decode steps) as one XLA program."""
   model = nnx.merge(graphdef, state)
   b = prompt.shape[0]
-  logits, caches = _prefill(model, prompt, lengths, cache_len)
+  logits, caches = _prefill(model, prompt, lengths, cache_len, embeds)
 
   def cond(carry):
     step, _, _, _, _, done, _ = carry
@@ -138,6 +154,7 @@ def generate(
     eos_token_ids: Sequence[int] | None = None,
     pad_token_id: int = 0,
     max_length: int | None = None,
+    prompt_embeds: jax.Array | None = None,
 ) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` for each prompt in one jit-compiled program.
 
@@ -150,6 +167,8 @@ def generate(
     pad_token_id: written after a sequence stops.
     max_length: cache size in tokens (default: enough for the prompt bucket + max_new_tokens, capped by
       max_position_embeddings). A prompt (+ max_new_tokens) that does not fit is an error before compute.
+    prompt_embeds: optional [B, S, H] prompt embeddings replacing the token embeddings (images / videos:
+      ``model.embed_multimodal``); prompt_ids still give the lengths and are checked.
 
   Returns:
     GenerateOutput(tokens [B, max_new_tokens], lengths [B]).
@@ -163,13 +182,14 @@ def generate(
   put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)  # global inputs (multi-host)
   tokens, new_lengths = _generate_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)), put(eos_arr),
-      put(np.int32(pad_token_id)), max_new_tokens=max_new_tokens, sampling=sampling, cache_len=cache_len)
+      put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens,
+      sampling=sampling, cache_len=cache_len)
   return GenerateOutput(tokens=np.asarray(tokens), lengths=np.asarray(new_lengths))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_len"))
-def _prefill_jit(graphdef, state, prompt, lengths, *, cache_len: int):
-  return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len)
+def _prefill_jit(graphdef, state, prompt, lengths, embeds, *, cache_len: int):
+  return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len, embeds)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("caches",))
@@ -193,6 +213,7 @@ def generate_stream(
     eos_token_ids: Sequence[int] | None = None,
     max_length: int | None = None,
     timings: dict[str, float] | None = None,
+    prompt_embeds: jax.Array | None = None,
 ) -> Iterator[np.ndarray]:
   """Like ``generate``, yielding int32 tokens [B] as they are produced (jitted prefill + decode steps).
 
@@ -206,7 +227,8 @@ def generate_stream(
   graphdef, state = nnx.split(model)
   put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)  # global inputs (multi-host)
   start = time.perf_counter()
-  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), cache_len=cache_len)
+  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),
+                                cache_len=cache_len)
   if timings is not None:
     logits.block_until_ready()
     timings["prefill_s"] = time.perf_counter() - start

@@ -60,3 +60,18 @@ def test_cli_errors_are_one_clear_line(capsys, tmp_path):
   assert "no tokenizer.json" in capsys.readouterr().err
   assert cli.main(["forward", str(ckpt), "--prompt-ids", "1,2,9999"]) == 2
   assert "outside [0, 256)" in capsys.readouterr().err
+
+
+def test_generate_with_images(capsys, demo_dir, tmp_path):
+  from PIL import Image
+  paths = []
+  for i, size in enumerate([(60, 90), (40, 40)]):
+    path = tmp_path / f"img{i}.png"
+    Image.fromarray((np.random.default_rng(i).random((*size, 3)) * 255).astype("uint8")).save(path)
+    paths += ["--image", str(path)]
+  assert cli.main(["generate", str(demo_dir), "--prompt", "Describe.", "--chat", "--max-new-tokens", "3",
+                   *paths]) == 0
+  err = capsys.readouterr().err
+  assert "2 image(s): grids [[1, 4, 6], [1, 4, 4]]" in err  # 40x40 is upscaled to 56x56 (min_pixels) and "generated 3" in err
+  assert cli.main(["generate", str(demo_dir), "--prompt", "x", "--image", str(tmp_path / "missing.png")]) == 2
+  assert "missing.png" in capsys.readouterr().err

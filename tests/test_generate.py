@@ -131,3 +131,19 @@ def test_too_long_requests_fail_before_compute(models):
     generate(model, [[1, 2], []], max_new_tokens=4)
   with pytest.raises(ValueError, match="top_p"):
     generate(model, [[1, 2]], max_new_tokens=4, temperature=1.0, top_p=1.5)
+
+
+def test_multimodal_generation_follows_the_full_multimodal_forward():
+  ref = np.load(FIXTURES / "vl_tiny" / "reference.npz")
+  model = m3jax.load(FIXTURES / "vl_tiny" / "checkpoint", kernels="reference")
+  pixels = {k: ref[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+  prompt = ref["input_ids"]
+  embeds = model.embed_multimodal(prompt, **pixels)
+  out = generate(model, prompt, max_new_tokens=6, eos_token_ids=(), prompt_embeds=embeds)
+  # Teacher-forced check: the multimodal forward over prompt + generated tokens predicts each generated token.
+  full = np.asarray(model(np.concatenate([prompt, out.tokens[:, :-1]], axis=1), **pixels))
+  np.testing.assert_array_equal(full[0, prompt.shape[1] - 1:].argmax(-1), out.tokens[0])
+  text_only = generate(model, prompt, max_new_tokens=6, eos_token_ids=())
+  assert not np.array_equal(text_only.tokens, out.tokens)  # the images really reach the prefill
+  with pytest.raises(ValueError, match="prompt_embeds has shape"):
+    generate(model, prompt, max_new_tokens=2, prompt_embeds=embeds[:, :, :8][None])

@@ -27,6 +27,9 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
+  p.add_argument("--image", action="append", default=[], metavar="PATH",
+                 help="an image for the prompt (repeatable); placed at the prompt's image markers, or before the "
+                      "prompt text when it has none")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
 
 
@@ -42,13 +45,22 @@ def run(args: argparse.Namespace) -> int:
   model = m3jax.load(args.checkpoint, kernels=args.kernels,
                      **(parallel_cli.load_kwargs(args) if hasattr(args, "mesh") else {}))
   tokenizer = None
+  prompt_embeds = None
   if args.prompt is not None:
     tokenizer = tok_lib.load_tokenizer(args.checkpoint)
-    text = tok_lib.render_chat(args.checkpoint, args.prompt) if args.chat else args.prompt
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    user = args.prompt
+    if args.image:
+      from m3jax.vision import IMAGE_MARKER  # pylint: disable=g-import-not-at-top
+      if IMAGE_MARKER not in user:
+        user = IMAGE_MARKER * len(args.image) + user
+    text = tok_lib.render_chat(args.checkpoint, user) if args.chat else user
+    if args.image:
+      ids, prompt_embeds = _multimodal_prompt(model, tokenizer, text, args.image)
+    else:
+      ids = tokenizer.encode(text, add_special_tokens=False).ids
   else:
-    if args.chat:
-      raise ValueError("--chat needs --prompt TEXT")
+    if args.chat or args.image:
+      raise ValueError("--chat and --image need --prompt TEXT")
     ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     try:
       tokenizer = tok_lib.load_tokenizer(args.checkpoint)
@@ -62,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
   printed = ""
   for step_tokens in generate_stream(model, [ids], max_new_tokens=args.max_new_tokens,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                     seed=args.seed, eos_token_ids=eos, timings=timings):
+                                     seed=args.seed, eos_token_ids=eos, timings=timings,
+                                     prompt_embeds=prompt_embeds):
     if first_token_at is None:
       first_token_at = time.perf_counter()
     token = int(step_tokens[0])
@@ -88,3 +101,16 @@ def run(args: argparse.Namespace) -> int:
         f"{decode_tokens / decode_s if decode_s > 0 else float('nan'):.1f} tok/s "
         f"(first call includes compilation)", file=sys.stderr)
   return 0
+
+
+def _multimodal_prompt(model, tokenizer, text: str, images: list[str]):
+  """Prompt text with image markers + image paths -> (token ids, prompt embeddings [1, S, H])."""
+  from m3jax.vision import build_multimodal_inputs  # pylint: disable=g-import-not-at-top
+
+  if getattr(model, "vision", None) is None:
+    raise ValueError("--image needs a checkpoint with a vision tower (config.json has no vision_config, or it was "
+                     "loaded text-only)")
+  inputs = build_multimodal_inputs(text, tokenizer, images=images, image_token_id=model.config.image_token_id)
+  embeds = model.embed_multimodal(inputs.input_ids, **inputs.pixel_kwargs())
+  print(f"[m3jax] {len(images)} image(s): grids {inputs.image_grid_thw.tolist()}", file=sys.stderr)
+  return inputs.input_ids[0].tolist(), embeds
