@@ -1,9 +1,10 @@
 """Safetensors checkpoint (original MiniMax or HF layout, plain or quantized) -> m3jax Orbax checkpoint.
 
 Streams tensor by tensor: every parameter is built from its source tensors (dequantized, transposed, stacked,
-cast) only when Orbax's writer reaches it, and stacked experts are built and written a group of experts at a
-time (see pieces.py), so peak host memory stays near the largest single output array. The output appears
-atomically (see fsutil.atomic_output_dir). Layout of the result: converted.py.
+cast) only when Orbax's writer reaches it, and large arrays (stacked experts, embedding, LM head) are built and
+written in pieces (pieces.py), so peak host memory is bounded by the piece size (~2 x 512 MiB + 512 MiB in
+flight), not by the model or its largest array. The output appears atomically (fsutil.atomic_output_dir).
+Layout of the result: converted.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from m3jax.checkpoint.safetensors_stream import NUMPY_DTYPES
 from m3jax.checkpoint.source import FLOAT_DTYPES, TensorSource
 from m3jax.config import M3Config
 
-DEFAULT_PIECE_BYTES = 1 << 30
+DEFAULT_PIECE_BYTES = 512 << 20
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 # Extra tensors that stay fp32 like the model's router (gate weight [E, H] and the correction bias).
 _FP32_SUFFIXES = ("block_sparse_moe.gate.weight", "mlp.gate.weight", "e_score_correction_bias")
@@ -131,7 +132,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     layout: 'auto' | 'original' | 'hf' | 'hf_text'.
     keep_mtp: keep the ``mtp.*`` tensors in their own subtree (else they are skipped and listed).
     text_only: drop the vision tower + projector (the output config then has no vision_config).
-    max_piece_bytes: stacked experts are built and written in groups of at most this many bytes.
+    max_piece_bytes: large arrays (stacked experts, embedding, LM head) are built and written in pieces of at
+      most this many bytes (see pieces.py).
     progress: show a tqdm bar.
   """
   start = time.perf_counter()

@@ -22,6 +22,7 @@ from flax import nnx
 
 from m3jax.checkpoint import converted
 from m3jax.checkpoint import sharding as sharding_lib
+from m3jax.checkpoint.fastops import apply_layout
 from m3jax.checkpoint.mapping import Layout, TensorRule, detect_layout, is_skipped, prefixes, text_rules
 from m3jax.checkpoint.quantized import QUANT_SUFFIXES
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
@@ -175,7 +176,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     rule = by_path.pop(param_path, None)
     if rule is None:
       raise CheckpointError(f"internal: no checkpoint rule for parameter {'/'.join(map(str, param_path))}")
-    value = np.asarray(rule.to_param([source.get(name) for name in rule.sources]))
+    value = np.asarray(apply_layout(rule.to_param, [source.get(name) for name in rule.sources]))
     if value.shape != tuple(var.shape):
       raise CheckpointError(f"internal: parameter {'/'.join(map(str, param_path))} built with shape "
                             f"{value.shape}, model expects {var.shape}")

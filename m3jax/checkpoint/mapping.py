@@ -5,7 +5,8 @@ Three checkpoint layouts (M3_SPEC §4-5):
     (``language_model.model.layers.N.block_sparse_moe.experts.E.w1.weight`` ...).
   * ``hf``: HF transformers' in-memory VL layout (``model.language_model.layers.N.mlp.experts.gate_up_proj``).
   * ``hf_text``: HF's text-only ``MiniMaxM3VLForCausalLM`` (``model.layers.N...``, ``lm_head.weight``).
-Checkpoint linears are [out, in]; m3jax stores [in, out] (heads split out), so most transforms transpose.
+Checkpoint linears are [out, in]; m3jax stores [in, out] (heads split out), so most transforms transpose
+(``transpose_last2``: the same result as ``np.ascontiguousarray(x.T)``, ~4x faster on large matrices).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 
+from m3jax.checkpoint.fastops import transpose_last2
 from m3jax.config import TextConfig
 
 Layout = Literal["original", "hf", "hf_text"]
@@ -51,15 +53,20 @@ def _copy(path, name, shape) -> TensorRule:
 def _linear(path, name, out_in: tuple[int, int], param_shape: tuple[int, ...]) -> TensorRule:
   """Checkpoint [out, in] <-> m3jax param = W.T reshaped to param_shape (e.g. [in, heads, dim])."""
   return TensorRule(path, (name,), (out_in,),
-                    lambda s: np.ascontiguousarray(s[0].T).reshape(param_shape),
-                    lambda p: [np.ascontiguousarray(p.reshape(out_in[::-1]).T)])
+                    lambda s: transpose_last2(s[0]).reshape(param_shape),
+                    lambda p: [transpose_last2(p.reshape(out_in[::-1]))])
 
 
 def _gate_up(path, gate: str, up: str, width: int, hidden: int) -> TensorRule:
   """gate [F, H] and up [F, H] <-> gate_up [H, 2F] (gate columns first)."""
-  return TensorRule(path, (gate, up), ((width, hidden), (width, hidden)),
-                    lambda s: np.concatenate([s[0].T, s[1].T], axis=1),
-                    lambda p: [np.ascontiguousarray(p[:, :width].T), np.ascontiguousarray(p[:, width:].T)])
+  def to_param(s):
+    out = np.empty((hidden, 2 * width), np.result_type(s[0], s[1]))
+    transpose_last2(s[0], out=out[:, :width])
+    transpose_last2(s[1], out=out[:, width:])
+    return out
+
+  return TensorRule(path, (gate, up), ((width, hidden), (width, hidden)), to_param,
+                    lambda p: [transpose_last2(p[:, :width]), transpose_last2(p[:, width:])])
 
 
 def _expert_gate_up(path, w1: list[str], w3: list[str], width: int, hidden: int) -> TensorRule:
@@ -67,11 +74,15 @@ def _expert_gate_up(path, w1: list[str], w3: list[str], width: int, hidden: int)
   e = len(w1)
 
   def to_param(s):
-    return np.stack([np.concatenate([s[i].T, s[e + i].T], axis=1) for i in range(e)])
+    out = np.empty((e, hidden, 2 * width), np.result_type(*s))
+    for i in range(e):
+      transpose_last2(s[i], out=out[i, :, :width])
+      transpose_last2(s[e + i], out=out[i, :, width:])
+    return out
 
   def from_param(p):
-    return ([np.ascontiguousarray(p[i, :, :width].T) for i in range(e)]
-            + [np.ascontiguousarray(p[i, :, width:].T) for i in range(e)])
+    return ([transpose_last2(p[i, :, :width]) for i in range(e)]
+            + [transpose_last2(p[i, :, width:]) for i in range(e)])
 
   return TensorRule(path, tuple(w1 + w3), ((width, hidden),) * (2 * e), to_param, from_param)
 
@@ -79,16 +90,22 @@ def _expert_gate_up(path, w1: list[str], w3: list[str], width: int, hidden: int)
 def _expert_down(path, w2: list[str], width: int, hidden: int) -> TensorRule:
   """Per-expert w2 (down) [H, I] <-> [E, I, H]."""
   e = len(w2)
-  return TensorRule(path, tuple(w2), ((hidden, width),) * e,
-                    lambda s: np.stack([x.T for x in s]),
-                    lambda p: [np.ascontiguousarray(p[i].T) for i in range(e)])
+
+  def to_param(s):
+    out = np.empty((e, width, hidden), np.result_type(*s))
+    for i in range(e):
+      transpose_last2(s[i], out=out[i])
+    return out
+
+  return TensorRule(path, tuple(w2), ((hidden, width),) * e, to_param,
+                    lambda p: [transpose_last2(p[i]) for i in range(e)])
 
 
 def _stacked_transpose(path, name, shape: tuple[int, int, int]) -> TensorRule:
   """HF stacked experts [E, out, in] <-> [E, in, out]."""
   return TensorRule(path, (name,), (shape,),
-                    lambda s: np.ascontiguousarray(np.swapaxes(s[0], 1, 2)),
-                    lambda p: [np.ascontiguousarray(np.swapaxes(p, 1, 2))])
+                    lambda s: transpose_last2(s[0]),
+                    lambda p: [transpose_last2(p)])
 
 
 def _hf_gate_up(path, name, width: int, hidden: int) -> TensorRule:

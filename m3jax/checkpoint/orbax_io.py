@@ -29,8 +29,8 @@ from orbax.checkpoint._src.serialization import type_handlers
 KeyPath = tuple[str, ...]
 # Zarr chunks of at most this many bytes: partial (sharded) restores read only the chunks they need.
 CHUNK_BYTES = 64 * 2**20
-# Data handed to TensorStore but not yet written (see _LazyArrayHandler).
-INFLIGHT_BYTES = 256 * 2**20
+# Data handed to TensorStore but not yet written while the next piece is built (see _LazyArrayHandler).
+INFLIGHT_BYTES = 512 * 2**20
 
 
 @dataclasses.dataclass
@@ -60,9 +60,9 @@ class LazyArray:
 class _LazyArrayHandler(type_handlers.NumpyHandler):
   """Writes LazyArray leaves piece by piece (metadata identical to NumpyHandler's, so it restores as np.ndarray).
 
-  Pieces are built in order; writes already handed to TensorStore overlap with building the next pieces, up to
-  INFLIGHT_BYTES of pending data (a piece larger than that waits until everything before it is written), so
-  host memory holds the current piece plus at most INFLIGHT_BYTES.
+  Pieces are built in order; writes already handed to TensorStore overlap with building the next piece, with
+  at most INFLIGHT_BYTES of data pending, so host memory holds the piece being built (and its sources) plus at
+  most INFLIGHT_BYTES.
   """
 
   async def serialize(self, values, infos, args=None):
@@ -78,9 +78,10 @@ class _LazyArrayHandler(type_handlers.NumpyHandler):
 
     async def open_store(value, info, arg):
       await info.await_path_creation()
-      write_shape = tuple(max(s.stop - s.start, 1) for s in value.pieces[0][0])
+      piece_shape = tuple(max(s.stop - s.start, 1) for s in value.pieces[0][0])
+      chunks = chunk_shape(piece_shape, np.dtype(value.dtype).itemsize, CHUNK_BYTES)
       spec = ts_utils.build_array_write_spec(
-          info=info, arg=arg, global_shape=value.shape, local_shape=write_shape, dtype=np.dtype(value.dtype),
+          info=info, arg=arg, global_shape=value.shape, local_shape=chunks, dtype=np.dtype(value.dtype),
           use_ocdbt=info.is_ocdbt_checkpoint,
           process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint))
       return await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
@@ -95,12 +96,12 @@ class _LazyArrayHandler(type_handlers.NumpyHandler):
           if data.shape != want or data.dtype != np.dtype(value.dtype):
             raise ValueError(f"internal: piece {index} of {info.name} is {data.shape} {data.dtype}, "
                              f"expected {want} {np.dtype(value.dtype)}")
-          await drain(max(INFLIGHT_BYTES - data.nbytes, 0))
           target = store[index] if value.shape else store
           # The arrays are never modified after this point, so TensorStore may keep references instead of copies.
           pending.append((target.write(data, can_reference_source_data_indefinitely=True), data.nbytes,
                           value.on_piece))
           del data
+          await drain(INFLIGHT_BYTES)
     except BaseException:
       for future, _, _ in pending:  # let TensorStore finish touching the directory before the caller removes it
         try:
@@ -112,6 +113,22 @@ class _LazyArrayHandler(type_handlers.NumpyHandler):
     return []
 
 
+def chunk_shape(piece_shape: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
+  """Zarr chunks = C-contiguous blocks of a piece: the leading axes are divided (by divisors of the piece shape,
+  so chunks tile every piece) until a chunk holds at most ``max_bytes``. Writing a piece is then a plain copy of
+  consecutive rows per chunk, and a sharded restore reads only the chunks of its slice."""
+  shape = list(piece_shape)
+  for axis in range(len(shape)):
+    rest = int(np.prod(shape[axis + 1:], dtype=np.int64)) * itemsize
+    if shape[axis] * rest <= max_bytes:
+      break
+    fits = [d for d in range(1, shape[axis] + 1) if shape[axis] % d == 0 and d * rest <= max_bytes]
+    shape[axis] = max(fits) if fits else 1
+    if fits:
+      break
+  return tuple(shape)
+
+
 def _registry():
   return registry_lib.create_type_handler_registry(*registry_lib._DEFAULT_TYPE_HANDLERS,  # pylint: disable=protected-access
                                                    (LazyArray, _LazyArrayHandler()))
@@ -120,7 +137,7 @@ def _registry():
 def save_streaming(path: str, tree: Mapping[str, Any]) -> None:
   """Saves a nested dict of LazyArray leaves (str keys) as an Orbax PyTree checkpoint at ``path`` (must not exist).
 
-  Uncompressed zarr3 in OCDBT; chunks of at most CHUNK_BYTES within each piece.
+  Uncompressed zarr3 in OCDBT; chunks of at most CHUNK_BYTES within each piece (see chunk_shape).
   """
   handler = ocp.PyTreeCheckpointHandler(type_handler_registry=_registry(), use_zarr3=True, use_compression=False)
   save_args = jax.tree.map(lambda leaf: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree,

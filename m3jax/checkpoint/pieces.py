@@ -18,6 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
+from m3jax.checkpoint.fastops import apply_layout, transpose_last2
 from m3jax.checkpoint.mapping import TensorRule, expert_subrule, num_stacked_experts
 
 Index = tuple[slice, ...]
@@ -53,8 +54,12 @@ def _full(shape: tuple[int, ...]) -> Index:
 
 def whole(rule: TensorRule, shape: tuple[int, ...]) -> Piece:
   """The whole parameter as one piece."""
-  return Piece(_full(shape), tuple(rule.sources), lambda r: rule.to_param([r.get(n) for n in rule.sources]),
-               rule.from_param)
+  return Piece(_full(shape), tuple(rule.sources),
+               lambda r: apply_layout(rule.to_param, [r.get(n) for n in rule.sources]), _inverse(rule))
+
+
+def _inverse(rule: TensorRule) -> Callable[[np.ndarray], list[np.ndarray]]:
+  return lambda param: apply_layout(lambda arrays: rule.from_param(arrays[0]), [param])
 
 
 def split_rule(rule: TensorRule, shape: tuple[int, ...], itemsize: int, max_bytes: int) -> list[Piece]:
@@ -81,9 +86,9 @@ def _expert_pieces(rule: TensorRule, shape: tuple[int, ...], experts: int, group
     sub, rows = expert_subrule(rule, start, stop)
 
     def build(r: Reader, sub=sub, rows=rows) -> np.ndarray:
-      return sub.to_param([r.get(n, rows) if rows is not None else r.get(n) for n in sub.sources])
+      return apply_layout(sub.to_param, [r.get(n, rows) if rows is not None else r.get(n) for n in sub.sources])
 
-    pieces.append(Piece((slice(start, stop),) + _full(shape[1:]), tuple(sub.sources), build, sub.from_param, rows))
+    pieces.append(Piece((slice(start, stop),) + _full(shape[1:]), tuple(sub.sources), build, _inverse(sub), rows))
   return pieces
 
 
@@ -105,6 +110,6 @@ def _column_pieces(name: str, shape: tuple[int, int], cols_per: int) -> list[Pie
   for start in range(0, shape[1], cols_per):
     rows = slice(start, min(start + cols_per, shape[1]))
     pieces.append(Piece((slice(0, shape[0]), rows), (name,),
-                        lambda r, rows=rows: np.ascontiguousarray(r.get(name, rows).T),
-                        lambda a: [np.ascontiguousarray(a.T)], rows))
+                        lambda r, rows=rows: transpose_last2(r.get(name, rows)),
+                        lambda a: [transpose_last2(a)], rows))
   return pieces
