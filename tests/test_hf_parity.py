@@ -15,10 +15,13 @@ def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
   return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
+@pytest.mark.parametrize("kernels", ["reference", "pallas"])
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
-def test_fp32_logits_match_hf(name):
+def test_fp32_logits_match_hf(name, kernels):
+  # "pallas": kernels in interpret mode where they support the fixture's shapes; the rest falls back by rule
+  # (tests/test_kernels_in_model.py runs a model where every op is a kernel).
   ref = np.load(FIXTURES / name / "reference.npz")
-  model = m3jax.load(FIXTURES / name / "checkpoint", kernels="reference")
+  model = m3jax.load(FIXTURES / name / "checkpoint", kernels=kernels)
   assert model.dtype == np.float32
   logits = np.asarray(model(ref["input_ids"]))
   assert logits.shape == ref["logits"].shape
