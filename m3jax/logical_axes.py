@@ -23,6 +23,7 @@ CACHE_DIM = "cache_head_dim"
 
 # Activations (constrained through m3jax.sharding.constrain; never given as PartitionSpecs in layers).
 ACT_BATCH = "act_batch"
+ACT_VISION_SEGMENTS = "act_vision_segments"  # packed image / video segments of the vision tower (data parallel)
 ACT_SEQ = "act_seq"  # residual-stream tokens between layers (sharded only under sequence parallelism)
 ACT_Q_SEQ = "act_q_seq"  # query tokens inside attention / the indexer (keys always span the whole cache)
 ACT_HEADS = "act_heads"  # attention / indexer heads (after KV / index-head replication)

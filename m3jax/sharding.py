@@ -65,6 +65,7 @@ RULES: Rules = (
     (ax.CACHE_DIM, None),
     # activations
     (ax.ACT_BATCH, ("data", "expert")),
+    (ax.ACT_VISION_SEGMENTS, ("data", "expert", "tensor")),  # vision tower: data parallel over images
     (ax.ACT_SEQ, None),
     (ax.ACT_Q_SEQ, None),
     (ax.ACT_HEADS, "tensor"),

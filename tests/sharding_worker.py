@@ -62,6 +62,22 @@ def forward(fixture: str, *meshes: str) -> dict:
   return out
 
 
+def vision(*meshes: str) -> dict:
+  """VL fixture (3 images + a video): multimodal logits on a mesh vs one device."""
+  import m3jax  # pylint: disable=g-import-not-at-top
+
+  ref = np.load(FIXTURES / "vl_tiny" / "reference.npz")
+  pixels = {k: ref[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+  path = FIXTURES / "vl_tiny" / "checkpoint"
+  want = np.asarray(m3jax.load(path, kernels="reference")(ref["input_ids"], **pixels))
+  out = {}
+  for mesh in meshes:
+    m, rules = _mesh_and_rules(mesh)
+    model = m3jax.load(path, kernels="reference", mesh=m, axis_rules=rules)
+    out[mesh] = {"rel_err": _rel(np.asarray(model(ref["input_ids"], **pixels)), want)}
+  return out
+
+
 def _prompts(fixture: str):
   ref = np.load(FIXTURES / fixture / "reference.npz")
   return [ref["input_ids"][b, : ref["gen_prompt_lens"][b]].tolist() for b in range(2)], ref["gen_tokens"]
@@ -126,7 +142,8 @@ def distributed(fixture: str, mesh_arg: str, port: str, process_id: str, num_pro
 
 
 def main(argv: list[str]) -> None:
-  commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed}
+  commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
+              "vision": vision}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 

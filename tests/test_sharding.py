@@ -155,6 +155,12 @@ def test_sharded_forward_matches_single_device(fixture, meshes):
     assert result[mesh]["rel_err"] <= 1e-5, (mesh, result[mesh])
 
 
+def test_vision_tower_data_parallel_over_images_matches():
+  result = run_worker("vision", "data=2,tensor=4", "data=4,expert=2")
+  for mesh, r in result.items():
+    assert r["rel_err"] <= 1e-5, (mesh, r)
+
+
 @pytest.mark.parametrize("meshes", [MESHES[:3], MESHES[3:]])
 def test_sharded_greedy_generation_matches(meshes):
   result = run_worker("generate", "legacy_b128", *meshes)

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from m3jax import logical_axes as ax
+from m3jax import sharding
 from m3jax.config import VisionConfig
 from m3jax.layers.params import make_param, project
 from m3jax.vision.layers import V_EMBED, V_PATCH, LayerNorm, VisionEncoderLayer
@@ -49,6 +51,8 @@ class VisionTower(nnx.Module):
     x = project("np,pd->nd", pixel_values.astype(self.dtype), self.patch_embed[...])
     x = self.pre_norm(x)
     x = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[pack_index]  # [S, L, D]
+    # Segments (images / video chunks) never attend to each other: data parallel over them on a mesh.
+    x = sharding.constrain(x, (ax.ACT_VISION_SEGMENTS, None, None))
     pos = jnp.concatenate([positions, jnp.zeros((1, 3), positions.dtype)])[pack_index]
     cos, sin = axial_cos_sin(pos, cfg.head_dim, cfg.rope_theta)
     for layer in self.layers:
