@@ -5,14 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 find_python() {
-  for cand in python3.13 python3.12 python3; do
+  for cand in python3.12 python3.13 python3; do  # 3.12 first: what the GPU machine runs
     if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
       command -v "$cand"; return 0
     fi
   done
   local root
   root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-  for cand in "$root"/versions/3.13.*/bin/python "$root"/versions/3.12.*/bin/python; do
+  for cand in "$root"/versions/3.12.*/bin/python "$root"/versions/3.13.*/bin/python; do
     if [ -x "$cand" ]; then echo "$cand"; return 0; fi
   done
   return 1
