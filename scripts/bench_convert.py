@@ -5,11 +5,12 @@ experts, ~8 GB in bf16).
 
 Writes the source checkpoint (original MiniMax layout, bf16, fp32 router gates, 4 GiB shards) once, then runs
 each command in a fresh child process and reports its wall time, throughput (source bytes / wall time, process
-start-up and imports included) and peak RSS (``wait4`` rusage of the child), next to the RSS of a child that
-only imports m3jax / jax / orbax, and the largest single output array.
+start-up and imports included) and peak RSS, next to the RSS of a child that only imports m3jax / jax / orbax,
+and the largest single output array. Peak RSS is the child's ``VmHWM`` (/proc/self/status at exit): rusage
+``ru_maxrss`` is not usable because Linux carries the parent's RSS at fork/exec over into the child's.
 
   PYTHONPATH=. python scripts/bench_convert.py --workdir /tmp/m3jax_bench [--layers 3] [--experts 8]
-      [--piece-mb 1024 256] [--export] [--json out.json]
+      [--piece-mb 128 4096] [--export] [--json out.json]
 """
 
 from __future__ import annotations
@@ -87,18 +88,38 @@ def write_source(cfg: M3Config, path: str) -> tuple[int, int]:
   return len(entries), total
 
 
-def run_child(argv: list[str]) -> dict:
-  """Runs ``argv`` in a child process; wall time, exit status, peak RSS (bytes) and the last output lines."""
+# Runs Python code (argv[1]) in the child and prints its peak RSS (VmHWM) on the way out.
+_WRAPPER = """
+import atexit, sys
+def _hwm():
+  for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+      print("BENCH_VMHWM_KB", line.split()[1], flush=True)
+atexit.register(_hwm)
+code = sys.argv[1]
+sys.argv = sys.argv[1:]
+exec(compile(code, "<bench-child>", "exec"), {"__name__": "__main__"})
+"""
+
+
+def run_child(code: str, *args: str) -> dict:
+  """Runs Python ``code`` (with sys.argv[1:] = args) in a fresh child; wall time, peak RSS (bytes) and the last
+  output lines."""
   env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
   start = time.perf_counter()
-  proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-  out = proc.stdout.read()
-  _, status, usage = os.wait4(proc.pid, 0)
+  proc = subprocess.run([sys.executable, "-c", _WRAPPER, code, *args], stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, env=env, text=True)
   wall = time.perf_counter() - start
-  proc.returncode = os.waitstatus_to_exitcode(status)
   if proc.returncode:
-    raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{out[-3000:]}")
-  return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024, "output": out.strip().splitlines()[-6:]}
+    raise RuntimeError(f"{code} {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+  lines = proc.stdout.strip().splitlines()
+  hwm = [int(line.split()[1]) * 1024 for line in lines if line.startswith("BENCH_VMHWM_KB")]
+  lines = [line for line in lines if not line.startswith("BENCH_VMHWM_KB")]
+  return {"wall_s": wall, "peak_rss_bytes": hwm[-1], "output": lines[-6:]}
+
+
+CLI = "import sys; from m3jax.cli import main; rc = main(sys.argv[1:]); assert rc == 0, rc"
+SAME = "import sys; sys.path.insert(0, sys.argv[3]); from bench_convert import _same_tensors; print('BIT_EXACT', _same_tensors(sys.argv[1], sys.argv[2]))"
 
 
 def main() -> None:
@@ -106,7 +127,7 @@ def main() -> None:
   ap.add_argument("--workdir", default="/tmp/m3jax_bench")
   ap.add_argument("--layers", type=int, default=3)
   ap.add_argument("--experts", type=int, default=8)
-  ap.add_argument("--piece-mb", type=int, nargs="+", default=[512], help="convert --piece-mb values to run")
+  ap.add_argument("--piece-mb", type=int, nargs="+", default=[128], help="convert --piece-mb values to run")
   ap.add_argument("--export", action="store_true", help="also time `m3jax export` and check it bit-exact")
   ap.add_argument("--keep", action="store_true", help="keep the outputs (the source is always kept)")
   ap.add_argument("--json", default=None, help="write the results here")
@@ -130,14 +151,13 @@ def main() -> None:
                        f"hidden {t.hidden_size}, vocab {t.vocab_size}, bf16",
              "source_bytes": src_bytes, "largest_arrays_bytes": largest, "cpus": os.cpu_count(),
              "load_average_before": os.getloadavg()}
-  results["imports_only"] = run_child([sys.executable, "-c", "import jax, orbax.checkpoint, m3jax.checkpoint.convert, "
-                                                             "m3jax.checkpoint.export; jax.devices()"])
+  results["imports_only"] = run_child("import jax, orbax.checkpoint, m3jax.checkpoint.convert, m3jax.checkpoint.export; "
+                                      "jax.devices()")
   print(f"source: {src_bytes / GB:.2f} GB; largest single output array: {max(largest.values()) / GB:.2f} GB "
         f"({max(largest, key=largest.get)}); imports-only RSS {results['imports_only']['peak_rss_bytes'] / GB:.2f} GB")
   for piece_mb in args.piece_mb:
     dst = os.path.join(args.workdir, f"dst_piece{piece_mb}")
-    r = run_child([sys.executable, "-m", "m3jax.cli", "convert", src, dst, "--force", "--no-progress",
-                   "--piece-mb", str(piece_mb)])
+    r = run_child(CLI, "convert", src, dst, "--force", "--no-progress", "--piece-mb", str(piece_mb))
     r["gb_per_s"] = src_bytes / GB / r["wall_s"]
     results[f"convert_piece{piece_mb}"] = r
     print(f"convert --piece-mb {piece_mb}: {r['wall_s']:.1f} s wall, {r['gb_per_s']:.2f} GB/s, peak RSS "
@@ -145,9 +165,9 @@ def main() -> None:
     print("   " + "\n   ".join(r["output"]))
     if args.export:
       out = os.path.join(args.workdir, "export")
-      e = run_child([sys.executable, "-m", "m3jax.cli", "export", dst, out, "--force", "--no-progress"])
+      e = run_child(CLI, "export", dst, out, "--force", "--no-progress")
       e["gb_per_s"] = src_bytes / GB / e["wall_s"]
-      e["bit_exact"] = _same_tensors(src, out)
+      e["bit_exact"] = "BIT_EXACT True" in run_child(SAME, src, out, os.path.dirname(os.path.abspath(__file__)))["output"]
       results[f"export_piece{piece_mb}"] = e
       print(f"export: {e['wall_s']:.1f} s wall, {e['gb_per_s']:.2f} GB/s, peak RSS {e['peak_rss_bytes'] / GB:.2f} GB, "
             f"bit-exact vs source: {e['bit_exact']}")
@@ -175,7 +195,7 @@ def _same_tensors(a: str, b: str) -> bool:
     return False
   for name, fname in map_a.items():
     x, y = read_tensor(os.path.join(a, fname), name), read_tensor(os.path.join(b, map_b[name]), name)
-    if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+    if x.dtype != y.dtype or x.shape != y.shape or not np.array_equal(x.view(np.uint8), y.view(np.uint8)):
       return False
   return True
 

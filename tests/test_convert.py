@@ -81,6 +81,8 @@ def test_converted_checkpoint_loads_like_the_source(src, dst):
   assert model.vision is not None
   assert model.dtype == jnp.float32 and model.layers[0].mlp.router[...].dtype == jnp.float32
   assert_same_params(model, m3jax.load(src))
+  # Restoring in another dtype (TensorStore cast) rounds exactly like loading the safetensors in that dtype.
+  assert_same_params(m3jax.load(dst, dtype="bfloat16"), m3jax.load(src, dtype="bfloat16"))
   ref = np.load(FIXTURES / "flat_b16" / "reference.npz")
   logits = np.asarray(model(ref["input_ids"]))
   assert np.max(np.abs(logits - ref["logits"])) / np.max(np.abs(ref["logits"])) <= 1e-4

@@ -13,6 +13,7 @@ import m3jax
 from conftest import FIXTURES
 from m3jax.checkpoint import quantized as q
 from m3jax.checkpoint.convert import convert
+from m3jax.checkpoint.inspect import inspect_checkpoint
 from m3jax.checkpoint.safetensors_dir import CheckpointError
 from m3jax.checkpoint.source import TensorSource
 
@@ -197,6 +198,10 @@ def test_quantized_fixture_end_to_end(tmp_path, fmt):
     ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"][:, :40]
     np.testing.assert_array_equal(np.asarray(quant_model(ids)), np.asarray(plain_model(ids)))
   # convert dequantizes the same way (bf16 target: the cast of the same fp32 values).
+  report, plain = inspect_checkpoint(tmp_path / "quant"), inspect_checkpoint(tmp_path / "plain")
+  assert report.quantization == FORMATS[fmt]["quant_method"] and "F8_E4M3" in report.dtypes
+  assert {k: n for k, (n, _) in report.params.items()} == {k: n for k, (n, _) in plain.params.items()}
+  assert report.params["routed experts"][1] < plain.params["routed experts"][1] / 3  # bytes stored
   summary = convert(tmp_path / "quant", tmp_path / "dst", dtype="bfloat16", progress=False)
   assert summary.dequantized[fmt] > 0 and summary.quantization == FORMATS[fmt]["quant_method"]
   c = params(m3jax.load(tmp_path / "dst"))

@@ -2,8 +2,8 @@
 
 Streams tensor by tensor: every parameter is built from its source tensors (dequantized, transposed, stacked,
 cast) only when Orbax's writer reaches it, and large arrays (stacked experts, embedding, LM head) are built and
-written in pieces (pieces.py), so peak host memory is bounded by the piece size (~2 x 512 MiB + 512 MiB in
-flight), not by the model or its largest array. The output appears atomically (fsutil.atomic_output_dir).
+written in pieces (pieces.py), so peak host memory is bounded by the piece size (about 3 x 128 MiB + 256 MiB
+in flight), not by the model or its largest array. The output appears atomically (fsutil.atomic_output_dir).
 Layout of the result: converted.py.
 """
 
@@ -29,7 +29,7 @@ from m3jax.checkpoint.safetensors_stream import NUMPY_DTYPES
 from m3jax.checkpoint.source import FLOAT_DTYPES, TensorSource
 from m3jax.config import M3Config
 
-DEFAULT_PIECE_BYTES = 512 << 20
+DEFAULT_PIECE_BYTES = 128 << 20
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 # Extra tensors that stay fp32 like the model's router (gate weight [E, H] and the correction bias).
 _FP32_SUFFIXES = ("block_sparse_moe.gate.weight", "mlp.gate.weight", "e_score_correction_bias")

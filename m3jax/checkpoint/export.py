@@ -24,7 +24,7 @@ from m3jax.checkpoint.safetensors_stream import NUMPY_DTYPES, SAFETENSORS_DTYPES
 from m3jax.config import M3Config
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
-DEFAULT_PIECE_BYTES = 512 << 20
+DEFAULT_PIECE_BYTES = 128 << 20
 MTP_PREFIX = "language_model.model.mtp."
 HF_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
 

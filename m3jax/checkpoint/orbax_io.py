@@ -30,7 +30,7 @@ KeyPath = tuple[str, ...]
 # Zarr chunks of at most this many bytes: partial (sharded) restores read only the chunks they need.
 CHUNK_BYTES = 64 * 2**20
 # Data handed to TensorStore but not yet written while the next piece is built (see _LazyArrayHandler).
-INFLIGHT_BYTES = 512 * 2**20
+INFLIGHT_BYTES = 256 * 2**20
 
 
 @dataclasses.dataclass

@@ -19,9 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--text-only", action="store_true",
                  help="drop the vision tower + projector (the output config has no vision_config)")
   p.add_argument("--drop-mtp", action="store_true", help="skip the MTP (mtp.*) tensors instead of keeping them")
-  p.add_argument("--piece-mb", type=int, default=512,
+  p.add_argument("--piece-mb", type=int, default=128,
                  help="large arrays (stacked experts, embedding, LM head) are built and written in pieces of at most "
-                      "this many MiB (default 512); peak memory is about twice this plus 512 MiB in flight")
+                      "this many MiB (default 128); peak memory is about 3x this plus 256 MiB in flight")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.set_defaults(func=run)
 
