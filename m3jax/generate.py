@@ -244,3 +244,48 @@ def generate_stream(
     yield out
     if done.all():
       return
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOutput:
+  """logits fp32 [B, V] at each prompt's last token; caches (one LayerCache per layer); lengths int32 [B]
+  (the next position to write for each sequence)."""
+
+  logits: jax.Array
+  caches: tuple
+  lengths: np.ndarray
+
+
+def prefill(model: M3ForCausalLM, prompt_ids: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
+            max_length: int | None = None, prompt_embeds: jax.Array | None = None) -> PrefillOutput:
+  """Jit-compiled prefill of (ragged) prompts into fresh caches sized for ``max_new_tokens`` more tokens.
+
+  Use with ``decode_step`` to drive decoding yourself (``generate`` does both in one program).
+  """
+  padded, lengths = pad_prompts(prompt_ids)
+  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
+  graphdef, state = nnx.split(model)
+  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)
+  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),
+                                cache_len=cache_len)
+  return PrefillOutput(logits=logits, caches=caches, lengths=lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
+def _decode_step_jit(graphdef, state, tokens, positions, caches):
+  return _decode(nnx.merge(graphdef, state), tokens, positions, caches)
+
+
+def decode_step(model: M3ForCausalLM, tokens: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,
+                caches: tuple) -> tuple[jax.Array, tuple]:
+  """One jit-compiled decode step: tokens int32 [B] written at positions int32 [B] (each sequence's own) ->
+  (next-token logits fp32 [B, V], updated caches). The input caches are donated (do not reuse them)."""
+  tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
+  if tokens.shape != positions.shape or tokens.ndim != 1:
+    raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must both be [batch]")
+  max_len = caches[0].max_length
+  if positions.max() >= max_len:
+    raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
+  graphdef, state = nnx.split(model)
+  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)
+  return _decode_step_jit(graphdef, state, put(tokens), put(positions), caches)

@@ -147,3 +147,19 @@ def test_multimodal_generation_follows_the_full_multimodal_forward():
   assert not np.array_equal(text_only.tokens, out.tokens)  # the images really reach the prefill
   with pytest.raises(ValueError, match="prompt_embeds has shape"):
     generate(model, prompt, max_new_tokens=2, prompt_embeds=embeds[:, :, :8][None])
+
+
+def test_prefill_and_decode_step_reproduce_generate(models):
+  model = models["flat_b16"]
+  _, prompts = _prompts("flat_b16")
+  state = m3jax.prefill(model, prompts, max_new_tokens=10)
+  caches, tokens = state.caches, []
+  tok = np.asarray(jnp.argmax(state.logits, -1), np.int32)
+  for step in range(10):
+    tokens.append(tok)
+    logits, caches = m3jax.decode_step(model, tok, state.lengths + step, caches)
+    tok = np.asarray(jnp.argmax(logits, -1), np.int32)
+  np.testing.assert_array_equal(np.stack(tokens, 1),
+                                generate(model, prompts, max_new_tokens=10, eos_token_ids=()).tokens)
+  with pytest.raises(ValueError, match="beyond the cache"):
+    m3jax.decode_step(model, tok, np.full(2, 10_000), caches)
