@@ -4,6 +4,7 @@ atomic output, and errors that name the file and tensor."""
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -206,6 +207,9 @@ def test_cli_convert_inspect_export(src, tmp_path, capsys):
       int(np.prod(v.shape)) for v in params(m3jax.load(src)).values())
   assert cli.main(["export", str(out), str(tmp_path / "exp"), "--no-progress"]) == 0
   assert "exported" in capsys.readouterr().out
+  assert cli.main(["convert", str(src), str(tmp_path / "bar")]) == 0  # tqdm bar on stderr: bytes and tensors
+  err = capsys.readouterr().err
+  assert "convert:" in err and re.search(r"\d+/83 tensors", err) and "B/s" in err
 
 
 def test_existing_destination_and_interruption(src, tmp_path):

@@ -81,9 +81,8 @@ class _Progress:
 
   def __init__(self, total_bytes: int, total_tensors: int, enabled: bool):
     self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-                    disable=not enabled, dynamic_ncols=True, leave=False)
+                    disable=not enabled, dynamic_ncols=True, leave=False, postfix=f"0/{total_tensors} tensors")
     self.done, self.total, self.written = 0, total_tensors, 0
-    self.bar.set_postfix_str(f"0/{total_tensors} tensors", refresh=False)
 
   def callback(self, n_pieces: int):
     """on_piece callback for one leaf of ``n_pieces`` pieces."""
