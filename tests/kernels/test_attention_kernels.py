@@ -18,18 +18,10 @@ from pallas_kernels.attention import (
     sparse_attention_reference,
 )
 from pallas_kernels.indexer import indexer_topk_reference
+import kernel_modes
 
 
-def _on_sm90() -> bool:
-  if jax.default_backend() != "gpu":
-    return False
-  return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
-
-
-MODES = [
-    pytest.param("interpret", marks=pytest.mark.interpret),
-    pytest.param("gpu", marks=pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")),
-]
+MODES = kernel_modes.MODES
 
 # Relative L2 error bound: the output is rounded to the input dtype (bf16: 2^-9, f16: 2^-11) and so is
 # P before P.V, as in the reference; the bound leaves ~3x headroom over what is observed.

@@ -15,20 +15,12 @@ import pytest
 
 from pallas_kernels.indexer import IndexerBlockSizes, index_block_scores_reference, indexer_topk
 from pallas_kernels.indexer import indexer_topk_reference
+import kernel_modes
 
 _TIE_TOL = 1e-2
 
 
-def _on_sm90() -> bool:
-  if jax.default_backend() != "gpu":
-    return False
-  return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
-
-
-MODES = [
-    pytest.param("interpret", marks=pytest.mark.interpret),
-    pytest.param("gpu", marks=pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")),
-]
+MODES = kernel_modes.MODES
 
 
 def _inputs(b, sq, hi, di, sk, dtype, seed=0):

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels.moe import MoeBlockSizes, moe_block, moe_block_reference
 from pallas_kernels.moe.dispatch import build_dispatch, max_routed_tiles
+import kernel_modes
 
 _KW = dict(routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
 _SMALL_TILES = (
@@ -25,16 +26,7 @@ _PREFILL_TILES = (  # prefill layout: 128-row tiles, warpgroups split rows
 )
 
 
-def _on_sm90() -> bool:
-  if jax.default_backend() != "gpu":
-    return False
-  return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
-
-
-MODES = [
-    pytest.param("interpret", marks=pytest.mark.interpret),
-    pytest.param("gpu", marks=pytest.mark.skipif(not _on_sm90(), reason="needs an sm90 GPU")),
-]
+MODES = kernel_modes.MODES
 
 
 def _tolerance(dtype, reduce_len: int) -> float:
