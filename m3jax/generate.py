@@ -72,6 +72,11 @@ def pad_embeds(prompt_embeds: jax.Array | np.ndarray | None, padded: np.ndarray)
   return jnp.pad(jnp.asarray(prompt_embeds), ((0, 0), (0, bucket - prompt_embeds.shape[1]), (0, 0)))
 
 
+def _put_fn(model: M3ForCausalLM):
+  """Host value -> jax.Array replicated over the model's mesh (global inputs under jax.distributed)."""
+  return functools.partial(sharding.put_replicated, plan=model.sharding_plan)
+
+
 def _put_embeds(put, prompt_embeds, padded: np.ndarray) -> jax.Array | None:
   embeds = pad_embeds(prompt_embeds, padded)
   return None if embeds is None else put(embeds)
@@ -179,7 +184,7 @@ def generate(
   eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
   eos_arr = jnp.asarray(list(eos) or [-1], jnp.int32)
   graphdef, state = nnx.split(model)
-  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)  # global inputs (multi-host)
+  put = _put_fn(model)
   tokens, new_lengths = _generate_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)), put(eos_arr),
       put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens,
@@ -199,6 +204,31 @@ def _decode_jit(graphdef, state, logits, caches, positions, key, *, sampling: Sa
   tok = sample(logits, key, sampling)
   logits, caches = _decode(model, tok, positions, caches)
   return sharding.replicated(tok, model.sharding_plan), logits, caches
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillOutput:
+  """logits fp32 [B, V] at each prompt's last token; caches (one LayerCache per layer); lengths int32 [B]
+  (the next position to write for each sequence)."""
+
+  logits: jax.Array
+  caches: tuple
+  lengths: np.ndarray
+
+
+def prefill(model: M3ForCausalLM, prompt_ids: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
+            max_length: int | None = None, prompt_embeds: jax.Array | None = None) -> PrefillOutput:
+  """Jit-compiled prefill of (ragged) prompts into fresh caches sized for ``max_new_tokens`` more tokens.
+
+  Use with ``decode_step`` to drive decoding yourself (``generate`` does both in one program).
+  """
+  padded, lengths = pad_prompts(prompt_ids)
+  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
+  graphdef, state = nnx.split(model)
+  put = _put_fn(model)
+  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),
+                                cache_len=cache_len)
+  return PrefillOutput(logits=logits, caches=caches, lengths=lengths)
 
 
 def generate_stream(
@@ -221,17 +251,16 @@ def generate_stream(
   ``timings`` is given it receives 'prefill_s' (prefill wall time, compile included on a first call).
   """
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-  padded, lengths = pad_prompts(prompt_ids)
-  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
   eos = set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids)
-  graphdef, state = nnx.split(model)
-  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)  # global inputs (multi-host)
   start = time.perf_counter()
-  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),
-                                cache_len=cache_len)
+  prefilled = prefill(model, prompt_ids, max_new_tokens=max_new_tokens, max_length=max_length,
+                      prompt_embeds=prompt_embeds)
+  logits, caches, lengths = prefilled.logits, prefilled.caches, prefilled.lengths
   if timings is not None:
     logits.block_until_ready()
     timings["prefill_s"] = time.perf_counter() - start
+  graphdef, state = nnx.split(model)
+  put = _put_fn(model)
   key = jax.random.key(seed)
   done = np.zeros(len(lengths), bool)
   for step in range(max_new_tokens):
@@ -244,31 +273,6 @@ def generate_stream(
     yield out
     if done.all():
       return
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillOutput:
-  """logits fp32 [B, V] at each prompt's last token; caches (one LayerCache per layer); lengths int32 [B]
-  (the next position to write for each sequence)."""
-
-  logits: jax.Array
-  caches: tuple
-  lengths: np.ndarray
-
-
-def prefill(model: M3ForCausalLM, prompt_ids: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
-            max_length: int | None = None, prompt_embeds: jax.Array | None = None) -> PrefillOutput:
-  """Jit-compiled prefill of (ragged) prompts into fresh caches sized for ``max_new_tokens`` more tokens.
-
-  Use with ``decode_step`` to drive decoding yourself (``generate`` does both in one program).
-  """
-  padded, lengths = pad_prompts(prompt_ids)
-  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
-  graphdef, state = nnx.split(model)
-  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)
-  logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),
-                                cache_len=cache_len)
-  return PrefillOutput(logits=logits, caches=caches, lengths=lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
@@ -287,5 +291,5 @@ def decode_step(model: M3ForCausalLM, tokens: jax.Array | np.ndarray, positions:
   if positions.max() >= max_len:
     raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
   graphdef, state = nnx.split(model)
-  put = functools.partial(sharding.put_replicated, plan=model.sharding_plan)
+  put = _put_fn(model)
   return _decode_step_jit(graphdef, state, put(tokens), put(positions), caches)
