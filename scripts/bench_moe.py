@@ -108,8 +108,9 @@ def bench_prefill(t: int, w, key, args) -> dict:
   fl = block_flops(t)
   safe(r, "kernel_ms", lambda: 1e3 * timeit(functools.partial(moe_block, **KW), *a, reps=args.reps))
   slow = dict(reps=1, rounds=2, warmup=1)  # the XLA reference runs at ~7 TFLOP/s
-  safe(r, "reference_ms", lambda: 1e3 * timeit(functools.partial(moe_block_reference, **KW), *a,
-                                               **slow))
+  if t <= args.reference_max_t:  # lax.ragged_dot on GPU materialises [T*K, E*H]: OOM beyond ~16K tokens
+    safe(r, "reference_ms", lambda: 1e3 * timeit(functools.partial(moe_block_reference, **KW), *a,
+                                                 **slow))
   for k in ("kernel", "reference"):
     if isinstance(r.get(f"{k}_ms"), float):
       r[f"{k}_tflops"] = fl / (r[f"{k}_ms"] * 1e-3) / 1e12
@@ -132,8 +133,9 @@ def bench_prefill(t: int, w, key, args) -> dict:
                                    out_dtype=jnp.bfloat16, block_sizes=bs_gu, num_sms=num_sms()))
   safe(r, "gu_kernel_ms", lambda: 1e3 * timeit(lambda m, l, ww: ours(m, l, ww, None), d.meta,
                                                xs_pad, wgu, reps=args.reps))
-  safe(r, "gu_lax_ragged_dot_ms", lambda: 1e3 * timeit(jax.jit(jax.lax.ragged_dot), xs, wgu, gs,
-                                                       **slow))
+  if t <= args.reference_max_t // 2:
+    safe(r, "gu_lax_ragged_dot_ms", lambda: 1e3 * timeit(jax.jit(jax.lax.ragged_dot), xs, wgu, gs,
+                                                         **slow))
   for cfg in ((128, 128, 64, 4, 1), (128, 128, 64, 4, 8)):
     bm, bn, bk, st, gbn = cfg
     f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, block_m=bm, block_n=bn, block_k=bk,
@@ -162,10 +164,22 @@ def bench_decode(t: int, w, key, args, block_sizes=None, tag="") -> dict:
   if not tag:
     safe(r, "reference_ms", lambda: 1e3 * timeit(functools.partial(moe_block_reference, **KW), *a,
                                                  reps=args.reps * 3))
+    if jax.default_backend() == "gpu":  # where the time goes: CUPTI time of every launch of one call
+      safe(r, "kernels_us", lambda: gpu_kernel_times(functools.partial(moe_block, **kw), *a))
   for k in ("kernel", "reference"):
     if isinstance(r.get(f"{k}_ms"), float):
       r[f"{k}_TBps"] = nbytes / (r[f"{k}_ms"] * 1e-3) / 1e12
   return r
+
+
+def gpu_kernel_times(f, *args) -> list:
+  """[(kernel name, us)] of one call (CUPTI, via jax's Mosaic GPU profiler) plus their sum."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+
+  jax.block_until_ready(f(*args))
+  _, per_kernel = profiler.measure(f, aggregate=False)(*args)
+  rows = [(name[:50], round(ms * 1e3, 1)) for name, ms in per_kernel]
+  return rows + [("sum", round(sum(v for _, v in rows), 1))]
 
 
 def edge_checks(w, key) -> dict:
@@ -210,6 +224,8 @@ def main():
   p.add_argument("--decode", default="1,8,32,64")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--check-max-t", type=int, default=8192)
+  p.add_argument("--reference-max-t", type=int, default=16384,
+                 help="largest prefill timed on the XLA reference (its ragged_dot needs T*K*E*H*2 bytes)")
   p.add_argument("--variants", action="store_true", help="also time alternative decode tiles")
   p.add_argument("--variant-t", type=int, default=16384, help="prefill size for --variants")
   p.add_argument("--no-edge", action="store_true")

@@ -23,7 +23,7 @@ def moe_block(x: jax.Array, router_w: jax.Array, correction_bias: jax.Array, w_g
   plan = sharding.current_plan()
   if plan is not None and not plan.is_trivial and x.ndim == 3:
     return parallel_moe.moe_block(plan, x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up,
-                                  shared_down, **kwargs)
+                                  shared_down, **kwargs, kernels=kernels)
   flat = x.reshape(-1, x.shape[-1])
   y = run_op(kernels, kernel_module="pallas_kernels.moe", kernel_name="moe_block", reference=moe_block_reference,
              args=(flat, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down), kwargs=kwargs)

@@ -6,8 +6,9 @@ E / N whole experts. Per device:
   1. all-gather the tokens of the devices that share its token set but hold other experts (the token axes
      that are also expert axes; nothing to gather when tokens are replicated, e.g. decode);
   2. route every gathered token (fp32 router, replicated weights: the same choice on every device);
-  3. run only the assignments that hit a local expert (sorted grouped GEMMs, ``ragged_dot``; the others
-     are sorted past the last group and contribute exact zeros);
+  3. run only the assignments that hit a local expert (``routed_experts``: the Pallas Mosaic GPU grouped
+     GEMMs on GPU, ``routed_experts_reference``'s sorted ``ragged_dot`` otherwise, by the kernel choice;
+     assignments to other devices' experts are dropped before the GEMMs and contribute exact zeros);
   4. reduce-scatter the fp32 partial sums back to the token shards (psum over expert axes that did not
      gather).
 
@@ -24,46 +25,21 @@ from jax.sharding import PartitionSpec as P
 
 from m3jax import logical_axes as ax
 from m3jax.sharding import ShardingPlan, constrain, spec_axes
-from pallas_kernels.moe.reference import gated_mlp, route_reference, swiglu_oai
-
-
-def local_experts(x: jax.Array, weights: jax.Array, expert_ids: jax.Array, first: jax.Array,
-                  w_gate_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float) -> jax.Array:
-  """The contribution of experts [first, first + E_local) to every token.
-
-  Args:
-    x: [T, H]; weights fp32 [T, K]; expert_ids int32 [T, K] (global ids); first: int32 scalar.
-    w_gate_up: [E_local, H, 2I]; w_down: [E_local, I, H].
-
-  Returns:
-    fp32 [T, H]: sum over the token's local assignments of weight * expert(x) (zeros elsewhere).
-  """
-  t, k = expert_ids.shape
-  e_local = w_gate_up.shape[0]
-  local = (expert_ids >= first) & (expert_ids < first + e_local)
-  flat = jnp.where(local, expert_ids - first, e_local).reshape(-1)  # non-local -> past the last group
-  order = jnp.argsort(flat, stable=True)
-  token_of = order // k
-  group_sizes = jnp.sum(flat[None, :] == jnp.arange(e_local, dtype=flat.dtype)[:, None], axis=1,
-                        dtype=jnp.int32)
-  xs = x[token_of]
-  hdn = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-  act = swiglu_oai(hdn, alpha=alpha, limit=limit).astype(x.dtype)
-  out = jax.lax.ragged_dot(act, w_down.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-  w = jnp.where(local, weights, 0.0).reshape(-1)[order]
-  out = jnp.where((w != 0)[:, None], out * w[:, None], 0.0)  # rows past the groups are never read
-  return jax.ops.segment_sum(out, token_of, num_segments=t)
+from m3jax.ops.dispatch import KernelChoice, run_op
+from pallas_kernels.moe.reference import gated_mlp, route_reference, routed_experts_reference
 
 
 def moe_block(plan: ShardingPlan, x: jax.Array, router_w: jax.Array, correction_bias: jax.Array,
               w_gate_up: jax.Array, w_down: jax.Array, shared_gate_up: jax.Array, shared_down: jax.Array, *,
-              top_k: int, routed_scaling_factor: float, swiglu_alpha: float, swiglu_limit: float) -> jax.Array:
+              top_k: int, routed_scaling_factor: float, swiglu_alpha: float, swiglu_limit: float,
+              kernels: KernelChoice = "reference") -> jax.Array:
   """The M3 MoE block (moe_block_reference's contract) with expert parallelism.
 
   Args:
     plan: the active sharding plan (multi-device).
     x: [B, S, H] (token sharding from the act_batch / act_seq rules).
     other weights: as pallas_kernels.moe.reference (w_gate_up [E, H, 2I], w_down [E, I, H]).
+    kernels: the kernel choice for the per-device routed experts (m3jax.ops.dispatch).
 
   Returns:
     [B, S, H] in x.dtype.
@@ -84,8 +60,10 @@ def moe_block(plan: ShardingPlan, x: jax.Array, router_w: jax.Array, correction_
     xg = jax.lax.all_gather(x_l, gather, axis=0, tiled=True) if gather else x_l
     weights, ids, _ = route_reference(xg, router_l, bias_l, top_k=top_k)
     first = (jax.lax.axis_index(expert_axes) if expert_axes else 0) * wgu_l.shape[0]
-    y = local_experts(xg, weights, ids, jnp.asarray(first, jnp.int32), wgu_l, wd_l, alpha=swiglu_alpha,
-                      limit=swiglu_limit)
+    y = run_op(kernels, kernel_module="pallas_kernels.moe", kernel_name="routed_experts",
+               reference=routed_experts_reference,
+               args=(xg, weights, ids, wgu_l, wd_l, jnp.asarray(first, jnp.int32)),
+               kwargs=dict(alpha=swiglu_alpha, limit=swiglu_limit))
     if gather:
       y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
     if reduce:

@@ -1,7 +1,7 @@
 """M3 MoE block: sigmoid router with selection-only bias, routed experts (SwiGLU-OAI), shared expert."""
-from pallas_kernels.moe.api import moe_block
+from pallas_kernels.moe.api import moe_block, routed_experts
 from pallas_kernels.moe.config import MoeBlockSizes, heuristic_block_sizes
-from pallas_kernels.moe.reference import moe_block_reference, route_reference, swiglu_oai
+from pallas_kernels.moe.reference import moe_block_reference, route_reference, routed_experts_reference, swiglu_oai
 
 __all__ = [
     "MoeBlockSizes",
@@ -9,5 +9,7 @@ __all__ = [
     "moe_block",
     "moe_block_reference",
     "route_reference",
+    "routed_experts",
+    "routed_experts_reference",
     "swiglu_oai",
 ]

@@ -97,6 +97,113 @@ def _default_num_sms(interpret: Any) -> int:
   return jax.extend.backend.get_default_device().core_count
 
 
+def _check_expert_weights(w_gate_up, w_down, h):
+  if w_gate_up.ndim != 3 or w_gate_up.shape[1] != h or w_gate_up.shape[2] % 2:
+    raise ValueError(f"w_gate_up must be [E, H={h}, 2I], got {w_gate_up.shape}")
+  e, _, two_i = w_gate_up.shape
+  if w_down.shape != (e, two_i // 2, h):
+    raise ValueError(f"w_down must be [E={e}, I={two_i // 2}, H={h}], got {w_down.shape}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gemms:
+  """The two grouped GEMMs of an expert MLP over a dispatch, with the kernel options resolved."""
+
+  dtype: Any
+  interpret: Any
+  num_sms: int
+  gate_up_tiles: MoeBlockSizes
+  down_tiles: MoeBlockSizes
+  alpha: float
+  limit: float
+
+  @classmethod
+  def make(cls, dtype, interpret, block_sizes, num_sms, tokens, top_k, experts, alpha, limit) -> "_Gemms":
+    interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or False)
+    bs_gu, bs_dn = block_sizes or heuristic_block_sizes(tokens, top_k, experts)
+    if bs_gu.block_m != bs_dn.block_m:
+      raise ValueError(f"gate_up and down block_m differ: {bs_gu.block_m} vs {bs_dn.block_m}")
+    out_itemsize = 4 if dtype == jnp.float32 else jnp.dtype(dtype).itemsize
+    return cls(dtype=dtype, interpret=interp, num_sms=num_sms or _default_num_sms(interp),
+               gate_up_tiles=_fit_smem(bs_gu, 2, out_itemsize), down_tiles=_fit_smem(bs_dn, 1, out_itemsize),
+               alpha=alpha, limit=limit)
+
+  @property
+  def block_m(self) -> int:
+    return self.gate_up_tiles.block_m
+
+  def __call__(self, meta, lhs, wgu, wd, sgu=None, sd=None) -> jax.Array:
+    """lhs [M_pad, H] grouped by meta's tiles -> [M_pad, H] in dtype (rows of dead tiles unwritten)."""
+    fp32 = self.dtype == jnp.float32
+    prep_w = (lambda w: _split3_rhs(w)) if fp32 else (lambda w: w.astype(self.dtype))
+    prep_lhs = _split3_lhs if fp32 else (lambda a: a)
+    mm = functools.partial(grouped_matmul, num_sms=self.num_sms, interpret=self.interpret, alpha=self.alpha,
+                           limit=self.limit)
+    act = mm(meta, prep_lhs(lhs), prep_w(wgu), None if sgu is None else prep_w(sgu), n_parts=2,
+             epilogue="swiglu", out_dtype=self.dtype, block_sizes=self.gate_up_tiles)
+    return mm(meta, prep_lhs(act), prep_w(wd), None if sd is None else prep_w(sd), n_parts=1,
+              epilogue="none", out_dtype=self.dtype, block_sizes=self.down_tiles)
+
+
+def _combine(weights: jax.Array, y: jax.Array, pos: jax.Array, kept: jax.Array) -> jax.Array:
+  """fp32 un-permute: sum_k weights[t, k] * y[pos[t, k]] over the kept assignments -> fp32 [T, H]."""
+  rows = y[pos].astype(jnp.float32)  # [T, K, H]
+  return jnp.sum(jnp.where(kept[:, :, None], weights[:, :, None] * rows, 0.0), axis=1)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("alpha", "limit", "interpret", "block_sizes", "num_sms", "num_experts_total"),
+)
+def routed_experts(
+    x: jax.Array,
+    weights: jax.Array,
+    expert_ids: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    first_expert: jax.Array | int = 0,
+    *,
+    alpha: float,
+    limit: float,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    block_sizes: tuple[MoeBlockSizes, MoeBlockSizes] | None = None,
+    num_sms: int | None = None,
+    num_experts_total: int | None = None,
+) -> jax.Array:
+  """Routed experts only, for given routing (``routed_experts_reference``'s contract) on the Mosaic GPU kernels.
+
+  The entry point of expert parallelism: each device passes the routing of all its tokens and its slice of
+  the experts, [first_expert, first_expert + E_local); assignments to other experts are dropped before the
+  GEMMs (no rows, no FLOPs) and contribute exact zeros.
+
+  Args:
+    x: [T, H]; weights fp32 [T, K]; expert_ids int32 [T, K] (global ids); w_gate_up [E_local, H, 2I];
+      w_down [E_local, I, H]; first_expert: int32 scalar (may be traced).
+    num_experts_total: the global expert count (default E_local), only for the tile-size heuristic.
+    interpret / block_sizes / num_sms: as ``moe_block``.
+
+  Returns:
+    fp32 [T, H], unscaled by routed_scaling_factor.
+  """
+  if x.ndim != 2:
+    raise ValueError(f"x must be [T, H], got {x.shape}")
+  t, h = x.shape
+  _check_expert_weights(w_gate_up, w_down, h)
+  if weights.shape != expert_ids.shape or weights.ndim != 2 or weights.shape[0] != t:
+    raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T={t}, K]")
+  if x.dtype not in (*_NATIVE, jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"routed_experts supports bf16/f16/f32 activations, got {x.dtype}")
+  e_local = w_gate_up.shape[0]
+  k = expert_ids.shape[1]
+  if t == 0:
+    return jnp.zeros((0, h), jnp.float32)
+  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, num_experts_total or e_local, alpha, limit)
+  d = build_dispatch(expert_ids - first_expert, num_experts=e_local, block_m=gemms.block_m, fuse_shared=False,
+                     drop_foreign=True)
+  y = gemms(d.meta, x[d.row_token], w_gate_up, w_down)
+  return _combine(weights, y, d.pos, d.kept)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -146,42 +253,20 @@ def moe_block(
   shared_inter = shared_down.shape[0]
   if t == 0:
     return jnp.zeros((0, h), x.dtype)
-  interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or False)
-  bs_gu, bs_dn = block_sizes or heuristic_block_sizes(t, top_k, e)
-  if bs_gu.block_m != bs_dn.block_m:
-    raise ValueError(f"gate_up and down block_m differ: {bs_gu.block_m} vs {bs_dn.block_m}")
-  bm = bs_gu.block_m
-  n_sms = num_sms or _default_num_sms(interp)
-  fp32 = x.dtype == jnp.float32
-  out_itemsize = 4 if fp32 else x.dtype.itemsize
-  bs_gu = _fit_smem(bs_gu, 2, out_itemsize)
-  bs_dn = _fit_smem(bs_dn, 1, out_itemsize)
+  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, top_k, e, swiglu_alpha, swiglu_limit)
+  bm = gemms.block_m
   fused = fuse_shared and shared_inter == inter
-  mm = functools.partial(grouped_matmul, num_sms=n_sms, interpret=interp, alpha=swiglu_alpha,
-                         limit=swiglu_limit)
-
-  def prep_w(w):  # [..., K, N] -> kernel operand
-    return _split3_rhs(w) if fp32 else w.astype(x.dtype)
-
-  def prep_lhs(a):
-    return _split3_lhs(a) if fp32 else a
-
-  def two_gemms(meta, lhs, wgu, wd, sgu, sd):
-    act = mm(meta, prep_lhs(lhs), prep_w(wgu), None if sgu is None else prep_w(sgu), n_parts=2,
-             epilogue="swiglu", out_dtype=x.dtype, block_sizes=bs_gu)
-    return mm(meta, prep_lhs(act), prep_w(wd), None if sd is None else prep_w(sd), n_parts=1,
-              epilogue="none", out_dtype=x.dtype, block_sizes=bs_dn)
 
   weights, expert_ids, _ = route_reference(x, router_w, correction_bias, top_k=top_k)
   d = build_dispatch(expert_ids, num_experts=e, block_m=bm, fuse_shared=fused)
-  y = two_gemms(d.meta, x[d.row_token], w_gate_up, w_down,
-                shared_gate_up if fused else None, shared_down if fused else None)
-  routed = jnp.sum(weights[:, :, None] * y[d.pos].astype(jnp.float32), axis=1)  # fp32 un-permute
+  y = gemms(d.meta, x[d.row_token], w_gate_up, w_down,
+            shared_gate_up if fused else None, shared_down if fused else None)
+  routed = _combine(weights, y, d.pos, d.kept)
   if fused:
     shared = y[:t]
   else:
     s_tiles = -(-t // bm)
     s_meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])
     x_pad = jnp.pad(x, ((0, s_tiles * bm - t), (0, 0)))
-    shared = two_gemms(s_meta, x_pad, shared_gate_up[None], shared_down[None], None, None)[:t]
+    shared = gemms(s_meta, x_pad, shared_gate_up[None], shared_down[None])[:t]
   return (routed * routed_scaling_factor + shared.astype(jnp.float32)).astype(x.dtype)

@@ -23,13 +23,15 @@ class Dispatch:
 
   meta: int32 [1 + max_tiles]: live tile count, then the expert of each tile (E = shared expert).
   row_token: int32 [M_pad], the token whose activations feed each padded row.
-  pos: int32 [T, K], the padded row holding assignment (t, k).
+  pos: int32 [T, K], the padded row holding assignment (t, k) (row 0 for a dropped assignment).
+  kept: bool [T, K], False for assignments dropped by ``drop_foreign`` (their pos must not be read).
   shared_tiles: static number of leading tiles that hold the shared expert (0 if not fused).
   """
 
   meta: jax.Array
   row_token: jax.Array
   pos: jax.Array
+  kept: jax.Array
   shared_tiles: int
 
 
@@ -45,7 +47,7 @@ _ONEHOT_MAX_ASSIGNMENTS = 4096
 
 def build_dispatch(
     expert_ids: jax.Array, *, num_experts: int, block_m: int, fuse_shared: bool,
-    method: str = "auto",
+    method: str = "auto", drop_foreign: bool = False,
 ) -> Dispatch:
   """Sorts the [T, K] assignments by expert into block_m-aligned groups.
 
@@ -56,12 +58,17 @@ def build_dispatch(
     fuse_shared: prepend ceil(T / block_m) tiles (expert id E) holding every token once.
     method: "sort" (stable argsort), "onehot" (ranks from a [T*K, E] one-hot cumsum: a few fused
       ops and no sort, for decode) or "auto" (onehot up to 4096 assignments).
+    drop_foreign: assignments whose id is outside [0, E) are dropped (no row, ``kept`` False): the
+      experts held by another device under expert parallelism. Without it, ids must be in [0, E).
 
   Returns:
     Dispatch.
   """
   t, k = expert_ids.shape
   flat = expert_ids.reshape(-1).astype(jnp.int32)
+  kept = (flat >= 0) & (flat < num_experts) if drop_foreign else jnp.ones(flat.shape, bool)
+  if drop_foreign:
+    flat = jnp.where(kept, flat, num_experts)  # one id past the experts: sorts last, counted nowhere
   if fuse_shared:
     shared_tiles = -(-t // block_m)
   else:
@@ -84,29 +91,34 @@ def build_dispatch(
   if method == "onehot":  # rank of each assignment among its expert's, in assignment order
     rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
     row = (shared_tiles + tile_start_e[flat]) * block_m + rank  # [T*K], assignment order
+    row = jnp.where(kept, row, m_pad)  # dropped: out of bounds, skipped by the scatter below
     src_token = jnp.arange(t * k, dtype=jnp.int32) // k
-    pos = row.reshape(t, k)
+    pos = jnp.where(kept, row, 0).reshape(t, k)
   elif method == "sort":
     order = jnp.argsort(flat, stable=True)  # sorted slot -> assignment index
     sorted_e = flat[order]
     rank = jnp.arange(t * k, dtype=jnp.int32) - group_start_e[sorted_e]
     row = (shared_tiles + tile_start_e[sorted_e]) * block_m + rank  # [T*K], sorted order
+    row = jnp.where(kept[order], row, m_pad)
     src_token = (order // k).astype(jnp.int32)
-    pos = jnp.zeros((t * k,), jnp.int32).at[order].set(row).reshape(t, k)
+    pos = jnp.zeros((t * k,), jnp.int32).at[order].set(row)
+    pos = jnp.where(kept, pos, 0).reshape(t, k)
   else:
     raise ValueError(f"method must be auto, sort or onehot, got {method!r}")
 
   row_token = jnp.zeros((m_pad,), jnp.int32)
   if fuse_shared:
     row_token = row_token.at[:t].set(jnp.arange(t, dtype=jnp.int32))
-  row_token = row_token.at[row].set(src_token)
+  row_token = row_token.at[row].set(src_token, mode="drop")
 
   tile_ids = jnp.arange(max_tiles - shared_tiles, dtype=jnp.int32)
-  routed_expert = jnp.searchsorted(tile_end_e, tile_ids, side="right").astype(jnp.int32)
+  # searchsorted(tile_end_e, tile_ids, side="right") by comparing all pairs: jnp.searchsorted's default
+  # binary search is a scan, i.e. a while loop of ~log2(E) tiny launches on GPU.
+  routed_expert = jnp.sum(tile_end_e[None, :] <= tile_ids[:, None], axis=1, dtype=jnp.int32)
   routed_expert = jnp.minimum(routed_expert, num_experts - 1)  # dead tiles; never visited
   tile_expert = jnp.concatenate(
       [jnp.full((shared_tiles,), num_experts, jnp.int32), routed_expert]
   )
   num_live = (shared_tiles + tile_end_e[-1]).astype(jnp.int32)
   meta = jnp.concatenate([num_live[None], tile_expert])
-  return Dispatch(meta=meta, row_token=row_token, pos=pos, shared_tiles=shared_tiles)
+  return Dispatch(meta=meta, row_token=row_token, pos=pos, kept=kept.reshape(t, k), shared_tiles=shared_tiles)

@@ -63,30 +63,38 @@ def routed_experts_reference(
     expert_ids: jax.Array,
     w_gate_up: jax.Array,
     w_down: jax.Array,
+    first_expert: jax.Array | int = 0,
     *,
     alpha: float,
     limit: float,
 ) -> jax.Array:
-  """Sum over the K chosen experts of weight * expert(x), with real top-k dispatch (sort + grouped GEMM).
+  """Sum over the chosen experts held here of weight * expert(x), with real top-k dispatch (sort + grouped GEMM).
+
+  The weights hold experts [first_expert, first_expert + E_local) (all of them by default; a slice of them
+  under expert parallelism); assignments to other experts contribute exact zeros.
 
   Args:
-    x: [T, H]; weights: fp32 [T, K]; expert_ids: int32 [T, K]; w_gate_up: [E, H, 2I]; w_down: [E, I, H].
+    x: [T, H]; weights: fp32 [T, K]; expert_ids: int32 [T, K] (global ids); w_gate_up: [E_local, H, 2I];
+    w_down: [E_local, I, H]; first_expert: int32 scalar (may be traced, e.g. from an axis index).
 
   Returns:
     fp32 [T, H] (unscaled by routed_scaling_factor).
   """
-  t, h = x.shape
+  t, _ = x.shape
   k = expert_ids.shape[1]
-  e = w_gate_up.shape[0]
-  flat_ids = expert_ids.reshape(-1)
+  e_local = w_gate_up.shape[0]
+  local_ids = expert_ids - first_expert
+  held = (local_ids >= 0) & (local_ids < e_local)
+  flat_ids = jnp.where(held, local_ids, e_local).reshape(-1)  # others sort past the last group
   order = jnp.argsort(flat_ids, stable=True)  # assignments grouped by expert
   token_of = order // k
-  group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)
+  group_sizes = jnp.bincount(flat_ids, length=e_local).astype(jnp.int32)  # drops the others
   xs = x[token_of]
   hdn = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
   act = swiglu_oai(hdn, alpha=alpha, limit=limit).astype(x.dtype)
   out = jax.lax.ragged_dot(act, w_down.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
-  out = out * weights.reshape(-1)[order][:, None]
+  w = jnp.where(held, weights, 0.0).reshape(-1)[order]
+  out = jnp.where((w != 0)[:, None], out * w[:, None], 0.0)  # rows past the groups are never read
   return jax.ops.segment_sum(out, token_of, num_segments=t)
 
 

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import MoeBlockSizes, moe_block, moe_block_reference
+from pallas_kernels.moe import (MoeBlockSizes, moe_block, moe_block_reference, route_reference, routed_experts,
+                                routed_experts_reference)
 from pallas_kernels.moe.dispatch import build_dispatch, max_routed_tiles
 import kernel_modes
 
@@ -110,6 +111,63 @@ def test_default_decode_tiles(mode):
   _check(args, 4, mode, block_sizes=None)
 
 
+# (name, T, E total, E held, first held expert, forced experts): the expert-parallel entry point.
+_SLICES = [
+    ("upper_half", 37, 8, 4, 4, ()),
+    ("lower_half_prefill_tiles", 150, 8, 4, 0, ()),
+    ("no_token_here", 20, 8, 4, 4, (0, 1)),  # every token routed to experts held elsewhere
+    ("all_experts", 5, 8, 8, 0, ()),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,t,e,e_held,first,force", _SLICES, ids=[c[0] for c in _SLICES])
+def test_routed_experts_on_a_slice_of_experts(mode, name, t, e, e_held, first, force):
+  x, router_w, bias, w_gu, w_dn, _, _ = _make(t, 128, 128, e, 128, jnp.bfloat16, seed=len(name),
+                                              force_experts=force)
+  weights, ids, _ = route_reference(x, router_w, bias, top_k=2)
+  held = (slice(first, first + e_held),)
+  kw = dict(alpha=_KW["swiglu_alpha"], limit=_KW["swiglu_limit"])
+  tiles = _PREFILL_TILES if t > 64 else _SMALL_TILES
+  run = jax.jit(lambda f: routed_experts(x, weights, ids, w_gu[held], w_dn[held], f, **kw,
+                                         interpret=mode == "interpret", block_sizes=tiles))
+  out = np.asarray(run(jnp.int32(first)))  # first_expert traced, as under shard_map
+  ref = np.asarray(routed_experts_reference(x, weights, ids, w_gu[held], w_dn[held], first, **kw))
+  assert out.shape == (t, 128) and out.dtype == np.float32 and np.isfinite(out).all()
+  here = np.asarray((ids >= first) & (ids < first + e_held)).any(axis=1)
+  assert (out[~here] == 0).all()  # tokens with no expert here get exact zeros
+  if force:
+    assert not here.any()
+  else:
+    assert here.sum() > t // 4 and np.abs(ref[here]).min() > 0
+    tol = _tolerance(jnp.bfloat16, 128)
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_routed_experts_reference_slices_sum_to_all_experts():
+  x, router_w, bias, w_gu, w_dn, _, _ = _make(30, 128, 64, 8, 64, jnp.float32, seed=9)
+  weights, ids, _ = route_reference(x, router_w, bias, top_k=3)
+  kw = dict(alpha=_KW["swiglu_alpha"], limit=_KW["swiglu_limit"])
+  full = routed_experts_reference(x, weights, ids, w_gu, w_dn, **kw)
+  parts = sum(routed_experts_reference(x, weights, ids, w_gu[f:f + 2], w_dn[f:f + 2], f, **kw) for f in range(0, 8, 2))
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(full), rtol=1e-5, atol=1e-5 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("method", ["sort", "onehot"])
+def test_dispatch_drops_foreign_experts(method):
+  t, k, e, bm = 25, 2, 4, 16
+  ids = jax.random.randint(jax.random.key(1), (t, k), -4, 8)  # ids outside [0, 4): held elsewhere
+  d = build_dispatch(ids, num_experts=e, block_m=bm, fuse_shared=False, method=method, drop_foreign=True)
+  meta, row_token, pos, kept = (np.asarray(a) for a in (d.meta, d.row_token, d.pos, d.kept))
+  ids = np.asarray(ids)
+  np.testing.assert_array_equal(kept, (ids >= 0) & (ids < e))
+  counts = np.bincount(ids[kept], minlength=e)
+  assert meta[0] == sum(-(-c // bm) for c in counts)
+  np.testing.assert_array_equal(meta[1 + pos[kept] // bm], ids[kept])
+  np.testing.assert_array_equal(row_token[pos[kept]], np.nonzero(kept)[0])
+  assert len(np.unique(pos[kept])) == kept.sum() and (pos[~kept] == 0).all()
+
+
 @pytest.mark.parametrize("method", ["sort", "onehot"])
 def test_dispatch_layout_invariants(method):
   t, k, e, bm = 40, 3, 6, 16
@@ -145,3 +203,26 @@ def test_input_validation():
     moe_block(*_make(4, 96, 128, 8, 128, jnp.bfloat16), top_k=2, **_KW, interpret=True)
   with pytest.raises(NotImplementedError):  # integer activations
     moe_block(args[0].astype(jnp.int8), *args[1:], top_k=2, **_KW, interpret=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_expert_parallel_block_runs_the_kernel_inside_shard_map(mode, caplog, monkeypatch):
+  # m3jax.parallel.moe on a one-device mesh: the per-device routed experts go through run_op to the
+  # Pallas kernel (no fallback) inside shard_map. (The interpreter keeps one global simulated GPU, so
+  # several CPU devices cannot interpret kernels concurrently; slices of experts are covered above.)
+  from m3jax import sharding
+  from m3jax.parallel import moe as parallel_moe
+
+  if mode == "interpret":
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # run_op: 'pallas' on CPU = interpret
+  args = _make(12, 256, 128, 8, 128, jnp.bfloat16, seed=11)
+  plan = sharding.ShardingPlan(sharding.make_mesh("expert=1"))
+  kw = dict(top_k=2, **_KW)
+  with sharding.use_plan(plan), caplog.at_level("WARNING", logger="m3jax.ops"):
+    out = jax.jit(lambda x, *w: parallel_moe.moe_block(plan, x, *w, **kw, kernels="pallas"))(args[0][None], *args[1:])
+  assert not [r for r in caplog.records if "falls back" in r.getMessage()]
+  ref = moe_block_reference(*args, **kw)
+  out = np.asarray(out[0].astype(jnp.float32))
+  ref = np.asarray(ref.astype(jnp.float32))
+  tol = _tolerance(jnp.bfloat16, 256)
+  np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
