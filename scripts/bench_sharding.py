@@ -11,7 +11,12 @@ Mode ``moe-cpu`` (CPU, 8 simulated devices): the MoE block at small dims on mesh
 device), expert-parallel shard_map (gather / scatter, m3jax.parallel.moe), and the reference left to XLA's
 automatic partitioning (experts sharded, no shard_map). CPU timings only: no interconnect is modelled.
 
+Mode ``moe-gpu`` (one GPU, M3 MoE dims): the expert-parallel code path (m3jax.parallel.moe: routing, then the
+per-device ``routed_experts`` under shard_map, shared expert beside it) on a one-device ``expert=1`` mesh, with
+the Pallas kernel and with the ragged_dot reference, next to the fused single-device ``moe_block`` kernel.
+
   GPU:   PYTHONPATH=$PWD python3 scripts/bench_sharding.py trivial --out $OUT/sharding.json
+         PYTHONPATH=$PWD python3 scripts/bench_sharding.py moe-gpu --out $OUT/moe_ep.json
   CPU:   PYTHONPATH=$PWD python3 scripts/bench_sharding.py trivial --smoke
          PYTHONPATH=$PWD python3 scripts/bench_sharding.py moe-cpu
 """
@@ -150,20 +155,60 @@ def moe_cpu(args: argparse.Namespace) -> dict:
   return report
 
 
+def moe_gpu(args: argparse.Namespace) -> dict:
+  from m3jax.parallel import moe as parallel_moe  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.moe import moe_block  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.moe.reference import moe_block_reference  # pylint: disable=g-import-not-at-top
+
+  h, i, e, k = 6144, 3072, 128, 4
+  keys = jax.random.split(jax.random.key(0), 7)
+  nrm = lambda key, shape, sc, dt=jnp.bfloat16: (jax.random.normal(key, shape, jnp.float32) * sc).astype(dt)
+  ws = (nrm(keys[1], (h, e), h ** -0.5, jnp.float32), nrm(keys[2], (e,), 0.01, jnp.float32),
+        nrm(keys[3], (e, h, 2 * i), h ** -0.5), nrm(keys[4], (e, i, h), i ** -0.5),
+        nrm(keys[5], (h, 2 * i), h ** -0.5), nrm(keys[6], (i, h), i ** -0.5))
+  kw = dict(top_k=k, routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
+  plan = sharding.ShardingPlan(sharding.make_mesh("expert=1"))
+  fns = {"moe_block kernel (fused shared expert)": jax.jit(lambda x, *w: moe_block(x[0], *w, **kw)[None]),
+         "EP path, routed_experts kernel": jax.jit(
+             lambda x, *w: parallel_moe.moe_block(plan, x, *w, **kw, kernels="auto")),
+         "EP path, ragged_dot reference": jax.jit(
+             lambda x, *w: parallel_moe.moe_block(plan, x, *w, **kw, kernels="reference"))}
+  report = {"device": jax.devices()[0].device_kind, "ms": {}, "rel_err_vs_reference": {}}
+  for t in [int(v) for v in args.moe_tokens.split(",")]:
+    x = jax.random.normal(keys[0], (1, t, h), jnp.float32).astype(jnp.bfloat16)
+    use = {n: f for n, f in fns.items() if "ragged_dot" not in n or t <= 4096}  # ragged_dot: [T*K, E*H] temp
+    with sharding.use_plan(plan):
+      ms = _timed_pair(use, {n: (x, *ws) for n in use}, args.repeats)
+      ref = np.asarray(moe_block_reference(x[0], *ws, **kw).astype(jnp.float32))
+      errs = {n: float(np.linalg.norm(np.asarray(f(x, *ws)[0].astype(jnp.float32)) - ref) / np.linalg.norm(ref))
+              for n, f in use.items()}
+    report["ms"][t], report["rel_err_vs_reference"][t] = ms, errs
+    for n in use:
+      print(f"MoE T={t}: {n}: {ms[n]:.3f} ms (rel L2 vs reference {errs[n]:.1e})", flush=True)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+  return report
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("mode", choices=("trivial", "moe-cpu"))
+  parser.add_argument("mode", choices=("trivial", "moe-cpu", "moe-gpu"))
   parser.add_argument("--smoke", action="store_true", help="trivial: tiny dims (a CPU check of the script)")
   parser.add_argument("--kernels", default=None,
                       help="trivial: reference | pallas | auto, or a fallback list like auto,reference (default auto)")
   parser.add_argument("--seq", type=int, default=4096, help="trivial: prompt / cache tokens")
   parser.add_argument("--batch", type=int, default=8, help="trivial: decode batch")
   parser.add_argument("--tokens", type=int, default=2048, help="moe-cpu: tokens")
+  parser.add_argument("--moe-tokens", default="1,8,64,4096", help="moe-gpu: comma-separated token counts")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default=None, help="write results as JSON here")
   args = parser.parse_args()
   if args.mode == "moe-cpu":
     moe_cpu(args)
+    return
+  if args.mode == "moe-gpu":
+    moe_gpu(args)
     return
   choices = (args.kernels or "auto").split(",")
   for i, kernels in enumerate(choices):  # e.g. auto,reference: fall back if a kernel path fails
