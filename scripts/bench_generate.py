@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -174,7 +175,21 @@ def check_logits(model: M3ForCausalLM, kernels: list[str], length: int) -> dict[
   return errors
 
 
-def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, repeats: int) -> dict:
+def kernel_profile(fn, *args) -> dict:
+  """GPU time of every launch of one call (CUPTI via jax's Mosaic GPU profiler), grouped by kernel name."""
+  from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
+
+  _, per_kernel = profiler.measure(fn, aggregate=False)(*args)
+  groups: dict[str, list[float]] = {}
+  for name, ms in per_kernel:
+    groups.setdefault(name.rstrip("0123456789_.")[:60], []).append(ms * 1e3)
+  top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+  return {"launches": len(per_kernel), "gpu_us": round(sum(ms for _, ms in per_kernel) * 1e3, 1),
+          "by_name": [(n, len(v), round(sum(v), 1)) for n, v in top[:30]]}
+
+
+def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, repeats: int,
+          profile: bool = False) -> dict:
   t = model.config.text
   graphdef, state = nnx.split(model)
   results = {}
@@ -212,6 +227,28 @@ def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, r
   def step(state, tok, pos, caches):
     return _decode(nnx.merge(graphdef, state), tok, pos, caches)
 
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def chained_step(state, tok, pos, caches, noise):
+    logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches)
+    # The next input depends on this step's logits (so steps cannot overlap on the GPU) but is spread over
+    # the vocabulary: greedy chains of a random-weight model collapse onto a few repeated tokens, and rows
+    # with equal tokens touch fewer experts than real traffic.
+    nxt = (jnp.argmax(logits, -1).astype(jnp.int32) + noise) % vocab
+    return nxt, pos + 1, caches
+
+  def pipelined_ms(tok, pos, caches, steps: int = 32) -> float:
+    """ms per step of `steps` decode steps dispatched back to back (each feeds the next; one sync at the
+    end), as a serving loop runs them: host dispatch overlaps the GPU, unlike the one-call-one-sync `timed`."""
+    caches = jax.tree.map(jnp.copy, caches)
+    noise = jax.random.randint(jax.random.key(11), (steps + 1,) + tok.shape, 0, vocab, jnp.int32)
+    tok, pos, caches = chained_step(state, tok, pos, caches, noise[0])  # compile + warm
+    jax.block_until_ready(tok)
+    start = time.perf_counter()
+    for i in range(steps):
+      tok, pos, caches = chained_step(state, tok, pos, caches, noise[i + 1])
+    jax.block_until_ready(tok)
+    return (time.perf_counter() - start) * 1e3 / steps
+
   for b in decode_batches:
     ids = jax.random.randint(jax.random.key(b), (b, context), 0, vocab, jnp.int32)
     logits, caches = fill(state, ids)
@@ -219,8 +256,18 @@ def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, r
     pos = jnp.full((b,), context, jnp.int32)
     ms = timed(step, state, tok, pos, caches, repeats=repeats * 4)
     roof = decode_bytes(t, b, context) / (COPY_TBPS * 1e12) * 1e3
-    results[f"decode_b{b}"] = dict(ms=ms, roofline_ms=roof, roofline_ratio=roof / ms)
-    print(f"  decode B={b} ctx={context}: {ms:.2f} ms/step, roofline {roof:.2f} ms", flush=True)
+    piped = pipelined_ms(tok, pos, caches)
+    results[f"decode_b{b}"] = dict(ms=ms, roofline_ms=roof, roofline_ratio=roof / ms, pipelined_ms=piped,
+                                   pipelined_roofline_ratio=roof / piped)
+    print(f"  decode B={b} ctx={context}: {ms:.2f} ms/step (one call, one sync), {piped:.2f} ms/step (32 steps "
+          f"back to back), roofline {roof:.2f} ms", flush=True)
+    if profile:
+      prof = kernel_profile(step, state, tok, pos, caches)
+      results[f"decode_b{b}"]["profile"] = prof
+      print(f"  decode B={b} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by name "
+            "(launches, us):", flush=True)
+      for row in prof["by_name"]:
+        print(f"    {row}", flush=True)
   return results
 
 
@@ -232,6 +279,7 @@ def main() -> None:
   parser.add_argument("--out", default=None, help="write results as JSON here")
   parser.add_argument("--prefill-lengths", default=None, help="comma-separated (default 4096,8192; '' = none)")
   parser.add_argument("--decode-batches", default=None, help="comma-separated (default 1,8; '' = none)")
+  parser.add_argument("--profile", action="store_true", help="GPU: per-kernel CUPTI breakdown of a decode step")
   parser.add_argument("--check-length", type=int, default=4096,
                       help="tokens of the logits check (> top_k x block = 2048 so block selection is exercised)")
   args = parser.parse_args()
@@ -250,12 +298,13 @@ def main() -> None:
     batches = tuple(int(x) for x in args.decode_batches.split(",") if x)
   report = {"device": jax.devices()[0].device_kind, "params": n_params, "hf_baseline": HF_BASELINE, "runs": {}}
   choices = args.kernels.split(",")
-  if len(choices) > 1 or choices[0] != "reference":
+  if (len(choices) > 1 or choices[0] != "reference") and args.check_length > 0:
     report["logits_check_vs_reference"] = check_logits(base, choices, 1024 if args.smoke else args.check_length)
   for kernels in choices:
     print(f"kernels={kernels}", flush=True)
     try:
-      report["runs"][kernels] = bench(with_kernels(base, kernels), lengths, batches, context, args.repeats)
+      report["runs"][kernels] = bench(with_kernels(base, kernels), lengths, batches, context, args.repeats,
+                                      profile=args.profile and kernels != "reference")
     except Exception as e:  # one failing kernel choice must not hide the others' numbers
       print(f"  kernels={kernels} FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
       report.setdefault("failures", {})[kernels] = f"{type(e).__name__}: {e}"
