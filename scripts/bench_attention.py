@@ -199,7 +199,7 @@ def decode(b, s, bandwidth_gbs):
   idx_q, idx_k = index_inputs(b, s)
   idx_q = idx_q[:, :1]
   q, k, v = qkv(b, 1, s)
-  pos = (s - 1 - jax.random.randint(jax.random.key(5), (b, 1), 0, 1000)).astype(jnp.int32)
+  pos = (s - 1 - jax.random.randint(jax.random.key(5), (b, 1), 0, min(1000, s))).astype(jnp.int32)  # ragged, >= 0
   bytes_read = b * (s * DI * 2 + NKV * TOPK * BLOCK * D * 2 * 2 + NQ * D * 2 + HI * DI * 2)
   roof_us = bytes_read / (bandwidth_gbs * 1e3)
   fn = jax.jit(decode_layer)

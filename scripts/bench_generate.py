@@ -261,7 +261,7 @@ def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, r
                                    pipelined_roofline_ratio=roof / piped)
     print(f"  decode B={b} ctx={context}: {ms:.2f} ms/step (one call, one sync), {piped:.2f} ms/step (32 steps "
           f"back to back), roofline {roof:.2f} ms", flush=True)
-    if profile:
+    if profile and jax.default_backend() == "gpu":  # CUPTI
       prof = kernel_profile(step, state, tok, pos, caches)
       results[f"decode_b{b}"]["profile"] = prof
       print(f"  decode B={b} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by name "
@@ -299,7 +299,7 @@ def main() -> None:
   report = {"device": jax.devices()[0].device_kind, "params": n_params, "hf_baseline": HF_BASELINE, "runs": {}}
   choices = args.kernels.split(",")
   if (len(choices) > 1 or choices[0] != "reference") and args.check_length > 0:
-    report["logits_check_vs_reference"] = check_logits(base, choices, 1024 if args.smoke else args.check_length)
+    report["logits_check_vs_reference"] = check_logits(base, choices, min(1024, args.check_length) if args.smoke else args.check_length)
   for kernels in choices:
     print(f"kernels={kernels}", flush=True)
     try:

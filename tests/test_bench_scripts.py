@@ -1,0 +1,80 @@
+"""The GPU benchmark scripts run end to end on the CPU in their small modes (tiny dims, kernels in the Mosaic GPU
+interpreter), so a broken script is caught here and not after a device machine has started. Each test checks the
+script's JSON: every measurement present and the built-in correctness checks within bf16 / fp32 tolerances."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).parent.parent
+
+
+def run_script(*args: str, env: dict | None = None, timeout: int = 600) -> str:
+  full_env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **(env or {})}
+  proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, env=full_env,
+                        timeout=timeout, check=False)
+  assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+  return proc.stdout
+
+
+def test_bench_generate_smoke(tmp_path):
+  out = tmp_path / "gen.json"
+  run_script("scripts/bench_generate.py", "--smoke", "--kernels", "reference,pallas", "--prefill-lengths", "64",
+             "--decode-batches", "1", "--repeats", "1", "--check-length", "640", "--out", str(out))
+  r = json.loads(out.read_text())
+  assert "failures" not in r, r["failures"]
+  for kernels in ("reference", "pallas"):
+    run = r["runs"][kernels]
+    assert run["prefill_64"]["ms"] > 0
+    assert run["decode_b1"]["ms"] > 0 and run["decode_b1"]["pipelined_ms"] > 0
+  check = r["logits_check_vs_reference"]["pallas"]
+  assert check["all"]["tokens"] == 640  # two 512-token chunks through the caches
+  assert check["same_choices"]["tokens"] + check["flipped"]["tokens"] == 640
+  assert check["all"]["max"] <= 1e-4  # smoke dims run in fp32 (the kernels fall back by rule)
+
+
+def test_bench_moe_tiny(tmp_path):
+  out = tmp_path / "moe.json"
+  run_script("scripts/bench_moe.py", "--tiny", "--no-edge", "--fp32-check", "--decode", "1", "--prefill", "256",
+             "--reps", "1", "--reference-max-t", "256", "--out", str(out))
+  r = json.loads(out.read_text())
+  for name, (rel, _) in r["edge"].items():
+    assert name.startswith("fp32") and rel < 1e-4, (name, rel)
+  decode, prefill = r["decode"][0], r["prefill"][0]
+  assert decode["touched_experts"] == 4 and decode["check_rel_err,max_abs"][0] < 1e-2
+  assert prefill["check_rel_err,max_abs"][0] < 1e-2
+  for key in ("kernel_ms", "reference_ms", "gu_kernel_ms", "gu_ragged_dot_mgpu(128, 128, 64, 4, 8)_ms"):
+    assert isinstance(prefill[key], float), (key, prefill[key])
+
+
+def test_bench_attention_interpret(tmp_path):
+  run_script("scripts/bench_attention.py", "--interpret", "--quick", "--sizes", "256", "--sections",
+             "indexer,decode", "--decode", "1x256", "--out", str(tmp_path))
+  rows = json.loads((tmp_path / "bench_attention.json").read_text())
+  assert not [r for r in rows if "error" in r]
+  indexer = [r for r in rows if r["section"] == "indexer_prefill" and r["variant"] != "xla_reference"]
+  assert len(indexer) == 3 and all(r["set_match"] == 1.0 for r in indexer)
+  (decode,) = [r for r in rows if r["section"] == "decode"]
+  rel, finite = decode["rel_err"]
+  assert finite and rel < 1e-2
+
+
+def test_bench_sharding_smoke(tmp_path):
+  out, moe = tmp_path / "trivial.json", tmp_path / "moe_cpu.json"
+  run_script("scripts/bench_sharding.py", "trivial", "--smoke", "--repeats", "1", "--out", str(out))
+  r = json.loads(out.read_text())
+  assert set(r["results"]) == {"prefill_b1_s64_ms", "decode_b2_ctx64_ms"}
+  assert r["decode_logits_max_abs_diff"] == 0.0  # a trivial mesh changes nothing
+  run_script("scripts/bench_sharding.py", "moe-cpu", "--tokens", "64", "--repeats", "1", "--out", str(moe))
+  r = json.loads(moe.read_text())
+  assert r["cpu_devices"] == 8 and max(r["rel_err"].values()) < 1e-5
+
+
+def test_bench_full_smoke(tmp_path):
+  out = tmp_path / "full.json"
+  run_script("scripts/bench_full.py", "--smoke", "--mesh", "expert=4,tensor=2", "--decode-steps", "2",
+             "--out", str(out), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  r = json.loads(out.read_text())
+  assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
