@@ -153,7 +153,7 @@ def _combine(weights: jax.Array, y: jax.Array, pos: jax.Array, kept: jax.Array) 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("alpha", "limit", "interpret", "block_sizes", "num_sms", "num_experts_total"),
+    static_argnames=("alpha", "limit", "interpret", "block_sizes", "num_sms"),
 )
 def routed_experts(
     x: jax.Array,
@@ -168,7 +168,6 @@ def routed_experts(
     interpret: bool | plgpu.InterpretGPUParams = False,
     block_sizes: tuple[MoeBlockSizes, MoeBlockSizes] | None = None,
     num_sms: int | None = None,
-    num_experts_total: int | None = None,
 ) -> jax.Array:
   """Routed experts only, for given routing (``routed_experts_reference``'s contract) on the Mosaic GPU kernels.
 
@@ -179,7 +178,6 @@ def routed_experts(
   Args:
     x: [T, H]; weights fp32 [T, K]; expert_ids int32 [T, K] (global ids); w_gate_up [E_local, H, 2I];
       w_down [E_local, I, H]; first_expert: int32 scalar (may be traced).
-    num_experts_total: the global expert count (default E_local), only for the tile-size heuristic.
     interpret / block_sizes / num_sms: as ``moe_block``.
 
   Returns:
@@ -197,7 +195,7 @@ def routed_experts(
   k = expert_ids.shape[1]
   if t == 0:
     return jnp.zeros((0, h), jnp.float32)
-  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, num_experts_total or e_local, alpha, limit)
+  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, e_local, alpha, limit)
   d = build_dispatch(expert_ids - first_expert, num_experts=e_local, block_m=gemms.block_m, fuse_shared=False,
                      drop_foreign=True)
   y = gemms(d.meta, x[d.row_token], w_gate_up, w_down)
