@@ -5,6 +5,7 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py generate FIXTURE MESH[+sp] ...  sharded greedy tokens vs the fixture's
   python tests/sharding_worker.py bytes FIXTURE MESH ...           per-device parameter bytes vs the plan
   python tests/sharding_worker.py distributed FIXTURE MESH PORT PROCESS_ID NUM_PROCESSES
+  python tests/sharding_worker.py pallas_on_cpu_mesh MESH           kernels='pallas' on CPU devices: by rule
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP).
 Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
@@ -141,9 +142,45 @@ def distributed(fixture: str, mesh_arg: str, port: str, process_id: str, num_pro
           "rel_err": _rel(got, want), "tokens_equal": bool((tokens == want_tokens[:, :8]).all())}
 
 
+def pallas_on_cpu_mesh(mesh_arg: str) -> dict:
+  """kernels='pallas' without a GPU under a multi-device plan: the expert-parallel MoE block at dims the
+  kernel tiles must take the reference by rule (the GPU interpreter cannot run several devices' kernels)."""
+  import logging  # pylint: disable=g-import-not-at-top
+
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.parallel import moe as parallel_moe  # pylint: disable=g-import-not-at-top
+
+  messages: list[str] = []
+
+  class Collect(logging.Handler):
+    def emit(self, record):
+      messages.append(record.getMessage())
+
+  logging.getLogger("m3jax.ops").addHandler(Collect())
+  h, i, e = 256, 128, 8
+  keys = jax.random.split(jax.random.key(0), 7)
+  nrm = lambda key, shape, sc: (jax.random.normal(key, shape, jnp.float32) * sc)
+  x = nrm(keys[0], (4, 10, h), 1.0).astype(jnp.bfloat16)
+  ws = (nrm(keys[1], (h, e), h ** -0.5), nrm(keys[2], (e,), 0.1),
+        *(nrm(kk, shape, 0.05).astype(jnp.bfloat16) for kk, shape in
+          zip(keys[3:], [(e, h, 2 * i), (e, i, h), (h, 2 * i), (i, h)])))
+  kw = dict(top_k=2, routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
+  mesh, rules = _mesh_and_rules(mesh_arg)
+  plan = sharding.ShardingPlan(mesh, rules)
+  out = {}
+  with sharding.use_plan(plan):
+    for kernels in ("pallas", "reference"):
+      fn = jax.jit(lambda x, *w, kernels=kernels: parallel_moe.moe_block(plan, x, *w, **kw, kernels=kernels))
+      out[kernels] = np.asarray(fn(x, *ws).astype(jnp.float32))
+  return {"max_abs_diff": float(np.abs(out["pallas"] - out["reference"]).max()), "messages": messages}
+
+
 def main(argv: list[str]) -> None:
   commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
-              "vision": vision}
+              "vision": vision,
+              "pallas_on_cpu_mesh": pallas_on_cpu_mesh}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 

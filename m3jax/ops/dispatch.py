@@ -7,6 +7,8 @@
 The choice is resolved when a model is built (``resolve_kernels``) and stored on the layers as a plain
 string, so jit caches stay correct. A kernel that does not support a shape raises NotImplementedError; the
 call then falls back to the reference (a rule, logged once per op and reason), never a silently wrong result.
+So does ``pallas`` without a GPU under a multi-device sharding plan: the Mosaic GPU interpreter simulates one
+GPU per process and cannot run kernels of several (simulated CPU) devices at once.
 """
 
 from __future__ import annotations
@@ -66,12 +68,23 @@ def run_op(
     return reference(*args, **kwargs)
   if choice == "auto" and not on_gpu:
     return reference(*args, **kwargs)
+  if not on_gpu and _multi_device_plan():
+    _log_once(f"{kernel_module}.{kernel_name}: the GPU interpreter cannot run kernels on several devices at "
+              "once; using the reference")
+    return reference(*args, **kwargs)
   interpret = False if on_gpu else _interpret_params()
   try:
     return kernel(*args, **kwargs, interpret=interpret)
   except NotImplementedError as e:
     _log_once(f"{kernel_module}.{kernel_name}: falls back to the reference: {e}")
     return reference(*args, **kwargs)
+
+
+def _multi_device_plan() -> bool:
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+
+  plan = sharding.current_plan()
+  return plan is not None and not plan.is_trivial
 
 
 _seen: set[str] = set()
