@@ -98,8 +98,6 @@ def sorted_rows(x, w):
 
 
 def bench_prefill(t: int, w, key, args) -> dict:
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=g-import-not-at-top
-
   r: dict = {"T": t}
   x = jax.random.normal(key, (t, H), jnp.bfloat16)
   a = block_args(x, w)
@@ -123,29 +121,41 @@ def bench_prefill(t: int, w, key, args) -> dict:
       safe(r, f"variant {tag} TFLOP/s", lambda bs=bs: fl / timeit(
           functools.partial(moe_block, **KW, block_sizes=bs), *a, reps=args.reps) / 1e12)
   # gate_up GEMM alone on expert-sorted rows.
-  xs, gs, ids = jax.jit(sorted_rows)(x, w)
+  r.update(gate_up_alone(x, w, args, with_lax=t <= args.reference_max_t // 2,
+                         mgpu_cfgs=((128, 128, 64, 4, 1), (128, 128, 64, 4, 8))))
   gflops = 2.0 * t * TOP_K * H * 2 * I
+  for k in list(r):
+    if k.startswith("gu_") and isinstance(r[k], float):
+      r[k.replace("_ms", "_tflops")] = gflops / (r[k] * 1e-3) / 1e12
+  return r
+
+
+def gate_up_alone(x, w, args, *, with_lax: bool, mgpu_cfgs) -> dict:
+  """ms of the gate_up GEMM alone on x's routed rows: this kernel (fused SwiGLU, on the padded dispatch
+  layout), lax.ragged_dot and jax's ragged_dot_mgpu (block_m, block_n, block_k, stages, grid_block_n) on the
+  expert-sorted rows."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=g-import-not-at-top
+
+  r: dict = {}
+  t = x.shape[0]
+  xs, gs, ids = jax.jit(sorted_rows)(x, w)
   wgu = w["w_gate_up"]
   bs_gu, _ = heuristic_block_sizes(t, TOP_K, E)
   d = build_dispatch(ids, num_experts=E, block_m=bs_gu.block_m, fuse_shared=False)
   xs_pad = jax.jit(lambda x, rt: x[rt])(x, d.row_token)
   ours = jax.jit(functools.partial(grouped_matmul, n_parts=2, epilogue="swiglu",
                                    out_dtype=jnp.bfloat16, block_sizes=bs_gu, num_sms=num_sms()))
-  safe(r, "gu_kernel_ms", lambda: 1e3 * timeit(lambda m, l, ww: ours(m, l, ww, None), d.meta,
-                                               xs_pad, wgu, reps=args.reps))
-  if t <= args.reference_max_t // 2:
+  reps = dict(reps=args.reps * (3 if t <= 64 else 1))
+  safe(r, "gu_kernel_ms", lambda: 1e3 * timeit(lambda m, l, ww: ours(m, l, ww, None), d.meta, xs_pad, wgu, **reps))
+  if with_lax:
     safe(r, "gu_lax_ragged_dot_ms", lambda: 1e3 * timeit(jax.jit(jax.lax.ragged_dot), xs, wgu, gs,
-                                                         **slow))
-  for cfg in ((128, 128, 64, 4, 1), (128, 128, 64, 4, 8)):
+                                                         **(reps if t <= 64 else dict(reps=1, rounds=2, warmup=1))))
+  for cfg in mgpu_cfgs:
     bm, bn, bk, st, gbn = cfg
     f = jax.jit(functools.partial(ragged_dot_mgpu.ragged_dot, block_m=bm, block_n=bn, block_k=bk,
                                   max_concurrent_steps=st, grid_block_n=gbn))
     safe(r, f"gu_ragged_dot_mgpu{cfg}_ms",
-         lambda f=f: 1e3 * timeit(lambda a_, b_, g_: f(a_, b_, group_sizes=g_), xs, wgu, gs,
-                                  reps=args.reps))
-  for k in list(r):
-    if k.startswith("gu_") and isinstance(r[k], float):
-      r[k.replace("_ms", "_tflops")] = gflops / (r[k] * 1e-3) / 1e12
+         lambda f=f: 1e3 * timeit(lambda a_, b_, g_: f(a_, b_, group_sizes=g_), xs, wgu, gs, **reps))
   return r
 
 
@@ -169,6 +179,12 @@ def bench_decode(t: int, w, key, args, block_sizes=None, tag="") -> dict:
   for k in ("kernel", "reference"):
     if isinstance(r.get(f"{k}_ms"), float):
       r[f"{k}_TBps"] = nbytes / (r[f"{k}_ms"] * 1e-3) / 1e12
+  if not tag and args.decode_baselines:  # the gate_up GEMM alone: TB/s over the gate_up weights touched
+    r.update(gate_up_alone(x, w, args, with_lax=True, mgpu_cfgs=((64, 128, 64, 4, 1), (128, 128, 64, 4, 1))))
+    gu_bytes = touched * H * 2 * I * 2
+    for k in list(r):
+      if k.startswith("gu_") and isinstance(r[k], float):
+        r[k.replace("_ms", "_TBps")] = gu_bytes / (r[k] * 1e-3) / 1e12
   return r
 
 
@@ -229,6 +245,8 @@ def main():
   p.add_argument("--variants", action="store_true", help="also time alternative decode tiles")
   p.add_argument("--variant-t", type=int, default=16384, help="prefill size for --variants")
   p.add_argument("--no-edge", action="store_true")
+  p.add_argument("--decode-baselines", action="store_true",
+                 help="decode rows also time the gate_up GEMM alone: this kernel, lax.ragged_dot, ragged_dot_mgpu")
   p.add_argument("--fp32-check", action="store_true", help="small-dim fp32 (bf16x3) check")
   p.add_argument("--out", default=None)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, GPU interpreter")
@@ -306,6 +324,9 @@ def summarize(res) -> str:
         f"{_f(max(mg) if mg else None)} | {r.get('check_rel_err,max_abs', '-')} |")
   for r in res["prefill"]:
     lines += [f"  T={r['T']} {k}: {_f(v)}" for k, v in r.items() if k.startswith("variant")]
+  for r in res["decode"]:  # --decode-baselines: gate_up alone, TB/s over the gate_up weights touched
+    lines += [f"  decode T={r['T']} {k}: {_f(v, '{:.2f}')}" for k, v in r.items() if k.endswith("_TBps")
+              and k.startswith("gu_")]
   return "\n".join(lines)
 
 
