@@ -98,6 +98,10 @@ def _default_num_sms(interpret: Any) -> int:
 
 
 def _check_expert_weights(w_gate_up, w_down, h):
+  """ValueError on inconsistent expert weight shapes, NotImplementedError on quantized (integer / 8-bit) ones."""
+  for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype.itemsize < 2:
+      raise NotImplementedError(f"{name} dtype {w.dtype} is not supported (quantized weights)")
   if w_gate_up.ndim != 3 or w_gate_up.shape[1] != h or w_gate_up.shape[2] % 2:
     raise ValueError(f"w_gate_up must be [E, H={h}, 2I], got {w_gate_up.shape}")
   e, _, two_i = w_gate_up.shape

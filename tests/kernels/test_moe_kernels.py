@@ -203,6 +203,14 @@ def test_input_validation():
     moe_block(*_make(4, 96, 128, 8, 128, jnp.bfloat16), top_k=2, **_KW, interpret=True)
   with pytest.raises(NotImplementedError):  # integer activations
     moe_block(args[0].astype(jnp.int8), *args[1:], top_k=2, **_KW, interpret=True)
+  weights, ids, _ = route_reference(*args[:3], top_k=2)
+  kw = dict(alpha=_KW["swiglu_alpha"], limit=_KW["swiglu_limit"], interpret=True)
+  with pytest.raises(ValueError, match="w_down"):
+    routed_experts(args[0], weights, ids, args[3], args[4][:, :64], **kw)
+  with pytest.raises(ValueError, match="expert_ids"):
+    routed_experts(args[0], weights, ids[:, :1], args[3], args[4], **kw)
+  with pytest.raises(NotImplementedError):  # quantized expert weights
+    routed_experts(args[0], weights, ids, args[3].astype(jnp.int8), args[4], **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
