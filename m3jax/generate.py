@@ -98,7 +98,12 @@ def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max
     raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the cache "
                      f"({limit} tokens)")
   cache_len = cache_length_for(padded.shape[1], max_new_tokens)
-  return cache_len if max_length is None else max(min(cache_len, max_length), longest + max_new_tokens)
+  if max_length is None:
+    return cache_len
+  # Capped by max_length, then aligned: key blocks of 128 (an unaligned cache would be padded, i.e. copied,
+  # by the attention kernels at every step).
+  need = max(min(cache_len, max_length), longest + max_new_tokens)
+  return -(-need // _CACHE_ALIGN) * _CACHE_ALIGN
 
 
 def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_len: int,
@@ -171,7 +176,8 @@ def generate(
     eos_token_ids: stop tokens; None = the config's eos ids; () = never stop early.
     pad_token_id: written after a sequence stops.
     max_length: cache size in tokens (default: enough for the prompt bucket + max_new_tokens, capped by
-      max_position_embeddings). A prompt (+ max_new_tokens) that does not fit is an error before compute.
+      max_position_embeddings); the cache gets it rounded up to a multiple of 128 slots (the key block). A
+      prompt (+ max_new_tokens) that does not fit is an error before compute.
     prompt_embeds: optional [B, S, H] prompt embeddings replacing the token embeddings (images / videos:
       ``model.embed_multimodal``); prompt_ids still give the lengths and are checked.
 

@@ -7,7 +7,7 @@ import pytest
 
 import m3jax
 from conftest import FIXTURES
-from m3jax.generate import _generate_jit, bucket_length, generate, generate_stream
+from m3jax.generate import _generate_jit, bucket_length, generate, generate_stream, prefill
 from m3jax.sampling import SamplingParams, sample
 
 HF_FIXTURES = ["legacy_b128", "flat_local2_b128", "flat_b16"]
@@ -119,6 +119,15 @@ def test_sampled_generation_is_reproducible(models):
   a = generate(model, prompts, max_new_tokens=8, temperature=0.8, top_k=20, seed=7, eos_token_ids=())
   b = generate(model, prompts, max_new_tokens=8, temperature=0.8, top_k=20, seed=7, eos_token_ids=())
   np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_cache_length_is_block_aligned_under_max_length(models):
+  # A cache of max_length slots is rounded up to whole 128-key blocks (an unaligned one would be padded,
+  # i.e. copied, by the attention kernels at every decode step).
+  model = models["flat_b16"]
+  for new, max_length, slots in ((10, 100, 128), (90, 200, 256), (90, None, 256)):
+    out = prefill(model, [[1] * 50], max_new_tokens=new, max_length=max_length)
+    assert out.caches[0].k.shape[1] == slots, (new, max_length, out.caches[0].k.shape)
 
 
 def test_too_long_requests_fail_before_compute(models):
