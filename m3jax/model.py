@@ -68,7 +68,10 @@ class M3ForCausalLM(nnx.Module):
   @sharding.uses_model_plan
   def init_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
     """Zeroed per-layer caches for ``batch`` sequences of up to ``max_length`` tokens (laid out by the
-    sharding plan, with KV heads repeated when the tensor axis has more ranks than KV heads)."""
+    sharding plan, with KV heads repeated when the tensor axis has more ranks than KV heads).
+
+    Prefer a multiple of 128 (the key block): the attention kernels pad other lengths, a copy per call.
+    """
     cfg = self.config.text
     kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
     return tuple(
