@@ -32,6 +32,7 @@ from flax import nnx
 from m3jax import sharding
 from m3jax.config import M3Config, TextConfig, m3_full
 from m3jax.generate import _decode, _prefill
+from bench_common import timed_ms
 from m3jax.model import M3ForCausalLM
 from m3jax.parallel.memory import plan_memory
 
@@ -71,16 +72,6 @@ def sharded_init(cfg: M3Config, plan: sharding.ShardingPlan, kernels: str, dtype
     return {k: var.get_value() for k, (_, var) in zip(keys, nnx.to_flat_state(nnx.state(model)))}
 
   return abstract, flat, keys, init
-
-
-def timed_ms(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
 
 
 def decode_weight_bytes(t: TextConfig, batch: int) -> float:

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
 import time
 
 import jax
@@ -29,6 +28,7 @@ from flax import nnx
 from m3jax.config import M3Config, TextConfig, m3_full
 from m3jax.research import Collect
 from m3jax.generate import _decode, _prefill
+from bench_common import timed_ms
 from m3jax.model import M3ForCausalLM
 
 MATMUL_TFLOPS = 620.0  # bf16, measured on the H200
@@ -95,17 +95,6 @@ def decode_bytes(t: TextConfig, batch: int, context: int, itemsize: int = 2) -> 
       attended = min(context, t.index_topk_blocks * t.index_block_size)
       cache += batch * (attended * kv + context * t.index_head_dim)
   return (params + cache) * itemsize
-
-
-def timed(fn, *args, repeats: int) -> float:
-  """Median wall time (ms) of fn(*args) after one warm-up call (which compiles)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - start) * 1e3)
-  return statistics.median(times)
 
 
 def with_kernels(model: M3ForCausalLM, kernels: str) -> M3ForCausalLM:
@@ -201,7 +190,7 @@ def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, r
 
   for s in prefill_lengths:
     ids = jax.random.randint(jax.random.key(s), (1, s), 0, vocab, jnp.int32)
-    ms = timed(prefill, state, ids, jnp.asarray([s], jnp.int32), repeats=repeats)
+    ms = timed_ms(prefill, state, ids, jnp.asarray([s], jnp.int32), repeats=repeats)
     roof = prefill_flops(t, s) / (MATMUL_TFLOPS * 1e12) * 1e3
     results[f"prefill_{s}"] = dict(ms=ms, tok_s=s / ms * 1e3, roofline_ms=roof, roofline_ratio=roof / ms)
     print(f"  prefill S={s}: {ms:.1f} ms ({s / ms * 1e3:.0f} tok/s), roofline {roof:.1f} ms", flush=True)
@@ -254,7 +243,7 @@ def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, r
     logits, caches = fill(state, ids)
     tok = jnp.argmax(logits, -1).astype(jnp.int32)
     pos = jnp.full((b,), context, jnp.int32)
-    ms = timed(step, state, tok, pos, caches, repeats=repeats * 4)
+    ms = timed_ms(step, state, tok, pos, caches, repeats=repeats * 4)
     roof = decode_bytes(t, b, context) / (COPY_TBPS * 1e12) * 1e3
     piped = pipelined_ms(tok, pos, caches)
     results[f"decode_b{b}"] = dict(ms=ms, roofline_ms=roof, roofline_ratio=roof / ms, pipelined_ms=piped,

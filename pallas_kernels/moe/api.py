@@ -28,6 +28,24 @@ from pallas_kernels.moe.reference import route_reference
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _check_dtypes(op: str, x: jax.Array, **weights: jax.Array) -> None:
+  """NotImplementedError for activations other than bf16/f16/f32 and for quantized (integer / 8-bit) weights."""
+  if x.dtype not in (*_NATIVE, jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"{op} supports bf16/f16/f32 activations, got {x.dtype}")
+  for name, w in weights.items():
+    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype.itemsize < 2:
+      raise NotImplementedError(f"{name} dtype {w.dtype} is not supported (quantized weights)")
+
+
+def _check_expert_weights(w_gate_up, w_down, h, e=None):
+  """ValueError unless w_gate_up is [E, H, 2I] and w_down [E, I, H] (E checked when given)."""
+  if w_gate_up.ndim != 3 or w_gate_up.shape[1] != h or w_gate_up.shape[2] % 2 or e not in (None, w_gate_up.shape[0]):
+    raise ValueError(f"w_gate_up must be [E={'E' if e is None else e}, H={h}, 2I], got {w_gate_up.shape}")
+  e, _, two_i = w_gate_up.shape
+  if w_down.shape != (e, two_i // 2, h):
+    raise ValueError(f"w_down must be [E={e}, I={two_i // 2}, H={h}], got {w_down.shape}")
+
+
 def _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down, top_k):
   """Raises ValueError on inconsistent shapes, NotImplementedError on unsupported dtypes."""
   if x.ndim != 2:
@@ -38,23 +56,15 @@ def _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_u
   e = router_w.shape[1]
   if correction_bias.shape != (e,):
     raise ValueError(f"correction_bias must be [E={e}], got {correction_bias.shape}")
-  if w_gate_up.ndim != 3 or w_gate_up.shape[:2] != (e, h) or w_gate_up.shape[2] % 2:
-    raise ValueError(f"w_gate_up must be [E={e}, H={h}, 2I], got {w_gate_up.shape}")
-  inter = w_gate_up.shape[2] // 2
-  if w_down.shape != (e, inter, h):
-    raise ValueError(f"w_down must be [E={e}, I={inter}, H={h}], got {w_down.shape}")
+  _check_expert_weights(w_gate_up, w_down, h, e)
   if shared_gate_up.ndim != 2 or shared_gate_up.shape[0] != h or shared_gate_up.shape[1] % 2:
     raise ValueError(f"shared_gate_up must be [H={h}, 2Is], got {shared_gate_up.shape}")
   if shared_down.shape != (shared_gate_up.shape[1] // 2, h):
     raise ValueError(f"shared_down must be [Is, H={h}], got {shared_down.shape}")
   if not 1 <= top_k <= e:
     raise ValueError(f"top_k must be in [1, E={e}], got {top_k}")
-  if x.dtype not in (*_NATIVE, jnp.dtype(jnp.float32)):
-    raise NotImplementedError(f"moe_block supports bf16/f16/f32 activations, got {x.dtype}")
-  for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down), ("shared_gate_up", shared_gate_up),
-                  ("shared_down", shared_down)):
-    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype.itemsize < 2:
-      raise NotImplementedError(f"{name} dtype {w.dtype} is not supported (quantized weights)")
+  _check_dtypes("moe_block", x, w_gate_up=w_gate_up, w_down=w_down, shared_gate_up=shared_gate_up,
+                shared_down=shared_down)
 
 
 def _split_hi_lo(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -95,18 +105,6 @@ def _default_num_sms(interpret: Any) -> int:
   if interpret or jax.default_backend() != "gpu":
     return 3  # interpreter: a small persistent grid still runs several work items per "SM"
   return jax.extend.backend.get_default_device().core_count
-
-
-def _check_expert_weights(w_gate_up, w_down, h):
-  """ValueError on inconsistent expert weight shapes, NotImplementedError on quantized (integer / 8-bit) ones."""
-  for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-    if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype.itemsize < 2:
-      raise NotImplementedError(f"{name} dtype {w.dtype} is not supported (quantized weights)")
-  if w_gate_up.ndim != 3 or w_gate_up.shape[1] != h or w_gate_up.shape[2] % 2:
-    raise ValueError(f"w_gate_up must be [E, H={h}, 2I], got {w_gate_up.shape}")
-  e, _, two_i = w_gate_up.shape
-  if w_down.shape != (e, two_i // 2, h):
-    raise ValueError(f"w_down must be [E={e}, I={two_i // 2}, H={h}], got {w_down.shape}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +191,7 @@ def routed_experts(
   _check_expert_weights(w_gate_up, w_down, h)
   if weights.shape != expert_ids.shape or weights.ndim != 2 or weights.shape[0] != t:
     raise ValueError(f"weights {weights.shape} and expert_ids {expert_ids.shape} must both be [T={t}, K]")
-  if x.dtype not in (*_NATIVE, jnp.dtype(jnp.float32)):
-    raise NotImplementedError(f"routed_experts supports bf16/f16/f32 activations, got {x.dtype}")
+  _check_dtypes("routed_experts", x, w_gate_up=w_gate_up, w_down=w_down)
   e_local = w_gate_up.shape[0]
   k = expert_ids.shape[1]
   if t == 0:
