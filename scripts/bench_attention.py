@@ -183,6 +183,21 @@ def dense_prefill(s, with_ref):
     err = rel_err(out, ref) if ref is not None else None
     record("dense_prefill", S=s, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), rel_err=err,
            timer=how)
+  if not INTERPRET:  # jax's FlashAttention-3 example (2 compute warpgroups + a TMA warpgroup): a Mosaic GPU yardstick
+    fa3_baseline(q, k, v, s, flops, ref)
+
+
+@guarded
+def fa3_baseline(q, k, v, s, flops, ref):
+  from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=g-import-not-at-top
+
+  for bq, stages in ((64, 2), (64, 3)):
+    cfg = attention_mgpu.TuningConfig(block_q=bq, block_kv=128, max_concurrent_steps=stages, causal=True)
+    fn = jax.jit(lambda q_, k_, v_, cfg=cfg: attention_mgpu.attention(q_ * SCALE, k_, v_, cfg))
+    out, ms, how = gpu_ms(fn, q, k, v, iters=5 if s <= 40000 else 2)
+    err = rel_err(out, ref) if ref is not None else None
+    record("dense_prefill", S=s, variant=f"jax attention_mgpu FA3 (block_q={bq}, {stages} stages)", ms=round(ms, 3),
+           tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
 
 
 def decode_layer(idx_q, idx_k, q, k, v, pos, *, reference=False):
