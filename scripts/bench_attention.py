@@ -176,8 +176,10 @@ def dense_prefill(s, with_ref):
     ref, ms, how = gpu_ms(fn, q, k, v, pos, iters=1 if s > 40000 else 3)
     record("dense_prefill", S=s, variant="xla_reference", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
            timer=how)
+  ws = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)
   for name, kw in (("cudnn (causal_attention)", dict(use_cudnn=None)),
-                   ("pallas dense plan", dict(use_cudnn=False))):
+                   ("pallas dense plan", dict(use_cudnn=False)),
+                   ("pallas dense plan, 2 compute WGs", dict(use_cudnn=False, block_sizes=ws))):
     fn = jax.jit(functools.partial(causal_attention, scale=SCALE, interpret=INTERPRET, **kw))
     out, ms, how = gpu_ms(fn, q, k, v, pos, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
@@ -194,7 +196,8 @@ def fa3_baseline(q, k, v, s, flops, ref):
   for bq, stages in ((64, 2), (64, 3)):
     cfg = attention_mgpu.TuningConfig(block_q=bq, block_kv=128, max_concurrent_steps=stages, causal=True)
     fn = jax.jit(lambda q_, k_, v_, cfg=cfg: attention_mgpu.attention(q_ * SCALE, k_, v_, cfg))
-    out, ms, how = gpu_ms(fn, q, k, v, iters=5 if s <= 40000 else 2)
+    f16 = [a.astype(jnp.float16) for a in (q, k, v)]  # the example's shared-memory buffers are fp16
+    out, ms, how = gpu_ms(fn, *f16, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
     record("dense_prefill", S=s, variant=f"jax attention_mgpu FA3 (block_q={bq}, {stages} stages)", ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
@@ -278,6 +281,8 @@ def main():
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
   variants = [
+      ("Q=8 2 compute WGs stages=2", SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)),
+      ("Q=8 2 compute WGs stages=3", SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=3, compute_wgs=2)),
       ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
       ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),

@@ -21,6 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, SparseAttentionBlockSizes
 from pallas_kernels.attention.config import heuristic_block_sizes
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
+from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -53,12 +54,14 @@ def _interpret_params(interpret: Any) -> Any:
 
 
 def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> SparseAttentionBlockSizes:
-  qpt = max(1, min(bs.queries_per_tile, ROWS_PER_TILE // hpg))
+  wgs = bs.compute_wgs
+  qpt = max(wgs, min(bs.queries_per_tile, wgs * (ROWS_PER_TILE // hpg)) // wgs * wgs)
   stages = bs.kv_stages
-  while stages > 1 and SparseAttentionBlockSizes(kv_stages=stages, p_in_smem=True).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
+  while stages > 1 and SparseAttentionBlockSizes(
+      kv_stages=stages, p_in_smem=bs.p_in_smem, compute_wgs=wgs, queries_per_tile=qpt).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
     stages -= 1
   return SparseAttentionBlockSizes(
-      queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem
+      queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem, compute_wgs=wgs
   )
 
 
@@ -91,9 +94,10 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   sq_pad = padded_query_count(sq, block_sizes.queries_per_tile)
   q = jnp.pad(q, [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
-  plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile)
+  plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs)
   kp, vp = _pad_keys(k, v)
-  o, lse = attention_pallas(
+  launch = ws_attention_pallas if block_sizes.compute_wgs == 2 else attention_pallas
+  o, lse = launch(
       q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
       check_users=check_users, p_in_smem=block_sizes.p_in_smem,
       interpret=_interpret_params(interpret),
@@ -140,9 +144,10 @@ def sparse_attention(
   hpg = q.shape[2] // k.shape[2]
   topk = block_ids.shape[3]
 
-  def make_plan(positions, sq_pad, qpt):
+  def make_plan(positions, sq_pad, qpt, wgs):
     ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
-    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg)
+    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
+                       compute_wgs=wgs)
 
   list_len = min(topk * (block_sizes.queries_per_tile if block_sizes else 4), -(-k.shape[1] // KEY_BLOCK))
   return _run_kernel(
@@ -154,9 +159,10 @@ def sparse_attention(
 def _dense_kernel_attention(q, k, v, q_positions, *, scale, block_sizes, interpret):
   hpg = q.shape[2] // k.shape[2]
 
-  def make_plan(positions, sq_pad, qpt):
+  def make_plan(positions, sq_pad, qpt, wgs):
     return dense_causal_plan(
-        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt, heads_per_group=hpg
+        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt, heads_per_group=hpg,
+        compute_wgs=wgs,
     )
 
   return _run_kernel(

@@ -21,12 +21,17 @@ class SparseAttentionBlockSizes:
     merged with their log-sum-exp outside the kernel.
   p_in_smem: stage P through shared memory for the P.V wgmma instead of keeping it in registers
     (None: only in interpret mode, which requires it).
+  compute_wgs: 1 = one warpgroup per CTA loads and computes (kernel_sm90.py); 2 = warp-specialized
+    (kernel_sm90_ws.py): a TMA warpgroup streams the tile's block list to two compute warpgroups, each
+    owning queries_per_tile / 2 queries (64 wgmma rows), which skip the blocks none of their queries
+    use. Two warpgroups double the wgmma rows fed by each K/V load. Prefill only (num_splits == 1).
   """
 
   queries_per_tile: int = 4
   kv_stages: int = 2
   num_splits: int = 1
   p_in_smem: bool | None = None
+  compute_wgs: int = 1
 
   def __post_init__(self):
     if self.queries_per_tile < 1:
@@ -35,11 +40,16 @@ class SparseAttentionBlockSizes:
       raise ValueError(f"kv_stages must be in [1, 8], got {self.kv_stages}")
     if self.num_splits < 1:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs}")
+    if self.compute_wgs == 2 and (self.num_splits != 1 or self.queries_per_tile % 2):
+      raise ValueError(f"compute_wgs=2 needs num_splits=1 and an even queries_per_tile, got {self}")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Query/output tile + K and V stages + per-row vectors (+ the P tile when staged in smem)."""
-    p_tile = ROWS_PER_TILE * KEY_BLOCK * itemsize if self.p_in_smem else 0
-    return (ROWS_PER_TILE + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * ROWS_PER_TILE * 4 + p_tile
+    """Query/output tiles + K and V stages + per-row vectors (+ the P tiles when staged in smem)."""
+    rows = self.compute_wgs * ROWS_PER_TILE
+    p_tile = rows * KEY_BLOCK * itemsize if self.p_in_smem else 0
+    return (rows + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * rows * 4 + p_tile
 
 
 def heuristic_block_sizes(

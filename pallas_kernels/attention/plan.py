@@ -30,8 +30,9 @@ class TilePlan:
   blocks: [B, tiles, G, U] key-block ids of each tile's list (entries past `count` are 0).
   users: [B, tiles, G, U] bitmask of the tile's queries that selected each listed block.
   count: [B, tiles, G] list length.
-  row_limit: [B, tiles, 64] last visible key slot per wgmma row (-1: row sees nothing).
-  row_bit: [64] 1 << (row // heads_per_group) for real rows, 0 for padding rows.
+  row_limit: [B, tiles, W * 64] last visible key slot per wgmma row (-1: row sees nothing); W = compute
+    warpgroups, warpgroup w owning rows [64 w, 64 w + 64) = the tile's queries [w Q / W, (w + 1) Q / W).
+  row_bit: [W * 64] 1 << (query index within the tile) for real rows, 0 for padding rows.
   """
 
   blocks: jax.Array
@@ -45,16 +46,18 @@ def padded_query_count(num_queries: int, queries_per_tile: int) -> int:
   return -(-num_queries // queries_per_tile) * queries_per_tile
 
 
-def _row_metadata(q_positions, num_keys, queries_per_tile, heads_per_group):
-  """row_limit [B, tiles, 64] and row_bit [64] (see TilePlan)."""
+def _row_metadata(q_positions, num_keys, queries_per_tile, heads_per_group, compute_wgs=1):
+  """row_limit [B, tiles, W * 64] and row_bit [W * 64] (see TilePlan)."""
   b, sq_pad = q_positions.shape
+  per_wg = queries_per_tile // compute_wgs
   limit = jnp.where(q_positions >= 0, jnp.minimum(q_positions, num_keys - 1), -1)
-  per_row = jnp.repeat(limit.reshape(b, -1, queries_per_tile), heads_per_group, axis=2)
-  real_rows = queries_per_tile * heads_per_group
-  row_limit = jnp.pad(per_row, [(0, 0), (0, 0), (0, ROWS_PER_TILE - real_rows)], constant_values=-1)
+  per_row = jnp.repeat(limit.reshape(b, -1, compute_wgs, per_wg), heads_per_group, axis=3)
+  real_rows = per_wg * heads_per_group
+  row_limit = jnp.pad(per_row, [(0, 0), (0, 0), (0, 0), (0, ROWS_PER_TILE - real_rows)], constant_values=-1)
   rows = jnp.arange(ROWS_PER_TILE, dtype=jnp.int32)
-  row_bit = jnp.where(rows < real_rows, jnp.left_shift(1, rows // heads_per_group), 0)
-  return row_limit.astype(jnp.int32), row_bit.astype(jnp.int32)
+  query = jnp.arange(compute_wgs, dtype=jnp.int32)[:, None] * per_wg + rows // heads_per_group
+  row_bit = jnp.where(rows < real_rows, jnp.left_shift(1, query), 0)
+  return row_limit.reshape(b, -1, compute_wgs * ROWS_PER_TILE).astype(jnp.int32), row_bit.reshape(-1).astype(jnp.int32)
 
 
 def _union_of_selections(ids):
@@ -86,7 +89,8 @@ def _union_of_selections(ids):
 
 
 def sparse_plan(
-    block_ids: jax.Array, q_positions: jax.Array, *, num_keys: int, queries_per_tile: int, heads_per_group: int
+    block_ids: jax.Array, q_positions: jax.Array, *, num_keys: int, queries_per_tile: int, heads_per_group: int,
+    compute_wgs: int = 1,
 ) -> TilePlan:
   """Plan for block-sparse attention.
 
@@ -94,6 +98,7 @@ def sparse_plan(
     block_ids: int32 [B, Sq_pad, G, T] (Sq_pad % queries_per_tile == 0; -1 = empty slot).
     q_positions: int32 [B, Sq_pad] (-1 for padding queries).
     num_keys: real key count Sk (ids >= ceil(Sk / 128) are ignored, like the reference).
+    compute_wgs: warpgroups sharing a tile (row layout of row_limit / row_bit).
   """
   b, sq_pad, g, t = block_ids.shape
   q = queries_per_tile
@@ -107,21 +112,26 @@ def sparse_plan(
     count = jnp.full(blocks.shape[:-1], t, jnp.int32)
   else:
     blocks, users, count = _union_of_selections(ids)
-  row_limit, row_bit = _row_metadata(q_positions, num_keys, q, heads_per_group)
+  row_limit, row_bit = _row_metadata(q_positions, num_keys, q, heads_per_group, compute_wgs)
   return TilePlan(blocks, users, count, row_limit, row_bit)
 
 
 def dense_causal_plan(
-    q_positions: jax.Array, *, num_keys: int, num_kv_heads: int, queries_per_tile: int, heads_per_group: int
+    q_positions: jax.Array, *, num_keys: int, num_kv_heads: int, queries_per_tile: int, heads_per_group: int,
+    compute_wgs: int = 1,
 ) -> TilePlan:
-  """Plan for dense causal attention: every block up to the tile's last visible key."""
+  """Plan for dense causal attention: every block up to the tile's last visible key; a block's users are
+  the tile's queries that see at least one of its keys."""
   b, sq_pad = q_positions.shape
   q = queries_per_tile
   num_blocks = -(-num_keys // KEY_BLOCK)
-  row_limit, row_bit = _row_metadata(q_positions, num_keys, q, heads_per_group)
+  row_limit, row_bit = _row_metadata(q_positions, num_keys, q, heads_per_group, compute_wgs)
   last = row_limit.max(-1)  # [B, tiles]
   count = jnp.where(last >= 0, last // KEY_BLOCK + 1, 0).astype(jnp.int32)
   count = jnp.broadcast_to(count[:, :, None], (b, sq_pad // q, num_kv_heads))
   blocks = jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32), (*count.shape, num_blocks))
-  users = jnp.full(blocks.shape, (1 << q) - 1, jnp.int32)
+  limit = jnp.where(q_positions >= 0, jnp.minimum(q_positions, num_keys - 1), -1).reshape(b, -1, q)  # [B, tiles, Q]
+  sees = limit[:, :, None, :] >= jnp.arange(num_blocks, dtype=jnp.int32)[None, None, :, None] * KEY_BLOCK
+  users = jnp.sum(jnp.where(sees, jnp.left_shift(1, jnp.arange(q, dtype=jnp.int32)), 0), axis=-1, dtype=jnp.int32)
+  users = jnp.broadcast_to(users[:, :, None, :], blocks.shape)
   return TilePlan(blocks, users, count, row_limit, row_bit)

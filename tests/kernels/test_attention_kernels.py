@@ -102,6 +102,37 @@ def test_sparse_short_sequence_and_padding(mode):
   assert (got[0, 20:] == 0).all()
 
 
+_TWO_WGS = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_two_compute_warpgroups(mode):
+  """Warp-specialized kernel (a TMA warpgroup + two compute warpgroups of 4 queries x 16 heads each).
+
+  Tile 0 mixes a late chunk (positions 300..) with early queries (124..), so each warpgroup walks
+  entries only the other one uses (skipped); tile 2 is all padding (-1: empty list, zero output);
+  the 19 real queries are not a multiple of the 8-query tile.
+  """
+  pos = np.full((2, 24), -1, np.int32)
+  pos[0, :8] = [300, 301, 302, 303, 124, 125, 126, 127]
+  pos[0, 8:16] = np.arange(500, 508)
+  pos[1, :11] = np.arange(11) * 60
+  positions = jnp.asarray(pos)
+  got = _sparse_case(mode, 2, 24, 32, 2, 128, 600, positions, topk=3, block_sizes=_TWO_WGS)
+  assert (got[0, 16:] == 0).all() and (got[1, 11:] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_causal_two_compute_warpgroups(mode):
+  """Dense causal plan on the warp-specialized kernel: a chunk straddling block boundaries (the earlier
+  warpgroup skips the last block), rows at different lengths, Sk % 128 != 0."""
+  q, k, v = _qkv(2, 10, 16, 1, 128, 400, jnp.bfloat16, seed=5)
+  positions = jnp.array([list(range(250, 260)), [5, 6, 7, 8, 390, 391, 392, 393, 394, 395]], jnp.int32)
+  got = causal_attention(q, k, v, positions, scale=0.1, interpret=(mode == "interpret"), block_sizes=_TWO_WGS,
+                         use_cudnn=False)
+  _assert_close(got, causal_attention_reference(q, k, v, positions, scale=0.1), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_causal_decode_and_chunked(mode):
   """Dense causal: decode rows at different lengths, then a chunked-prefill chunk at an offset."""

@@ -1,0 +1,225 @@
+"""Warp-specialized block-list GQA flash attention for Hopper (Pallas Mosaic GPU, prefill).
+
+One CTA owns (query tile, KV group g) with three warpgroups. The last one only streams the tile's
+block list (plan.py) through a TMA pipeline of K and V blocks; the two compute warpgroups each own
+half of the tile's queries (64 wgmma rows: 4 queries x 16 heads for M3), so every K/V block load
+feeds 128 rows, twice the arithmetic per loaded byte of kernel_sm90.py. Per list entry, a compute
+warpgroup whose queries all skipped the block (its bits of the entry's user mask are 0) does nothing;
+otherwise, as kernel_sm90.py:
+
+  S = Q_wg[64, D] . K_blk[128, D]^T * scale                   (wgmma, fp32)
+  S = where(key_slot <= row_limit and the row's query uses the block, S, -inf)
+  online softmax in base 2 (fp32), P cast to the input dtype, O = O * alpha + P . V_blk (wgmma, fp32)
+
+and writes O / l in the input dtype. No splits (prefill has enough tiles to fill the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SparseAttentionBlockSizes
+from pallas_kernels.attention.plan import TilePlan
+
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+_LOG2E = math.log2(math.e)
+_MEMORY_REGISTERS = 40
+
+
+def _smem_transforms(dtype) -> tuple[Any, ...]:
+  swizzle = 128
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _row_vector(value):
+  return plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), value, dtype=jnp.float32), _ROW_LAYOUT)
+
+
+def _ws_attention_kernel(
+    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
+    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, *,
+    queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
+    check_users: bool, acc_in_place: bool,
+):
+  """Refs (gmem unless noted):
+
+  q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
+  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
+  o_ref [1, B, Sq_pad, Nq, D].
+  scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
+  bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers).
+  """
+  tile = lax.axis_index("tile")
+  group = lax.axis_index("group")
+  batch = lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  first_query = tile * (queries_per_wg * compute_wgs)
+  heads = pl.ds(group * heads_per_group, heads_per_group)
+  list_ref = blocks_ref.at[batch, tile, group]
+  users_list_ref = users_ref.at[batch, tile, group]
+  my_mask = (1 << queries_per_wg) - 1
+
+  def compute_context(run_pipeline):
+    my_q = qo_smem.at[wg]
+    my_first = first_query + wg * queries_per_wg
+    for i in range(queries_per_wg):
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[batch, my_first + i, heads], my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
+          q_barrier.at[wg],
+      )
+    plgpu.copy_gmem_to_smem(row_limit_ref.at[batch, tile, pl.ds(wg * ROWS_PER_TILE, ROWS_PER_TILE)],
+                            limit_smem.at[wg], q_barrier.at[wg])
+    plgpu.copy_gmem_to_smem(row_bit_ref.at[pl.ds(wg * ROWS_PER_TILE, ROWS_PER_TILE)], bit_smem.at[wg],
+                            q_barrier.at[wg])
+    plgpu.barrier_wait(q_barrier.at[wg])
+    init = (
+        plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+        _row_vector(-jnp.inf),
+        _row_vector(0.0),
+    )
+    acc, _, l_i = run_pipeline(init)
+    empty = l_i == 0.0
+    out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
+    my_q[...] = out.astype(my_q.dtype)
+    plgpu.commit_smem()
+    for i in range(queries_per_wg):
+      plgpu.copy_smem_to_gmem(my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
+                              o_ref.at[0, batch, my_first + i, heads])
+    plgpu.wait_smem_to_gmem(0)
+
+  def attend(block, users, k_smem, v_smem, carry):
+    acc, m_i, l_i = carry
+    my_q = qo_smem.at[wg]
+
+    def qk_scope(acc_ref):
+      plgpu.wgmma(acc_ref, my_q, k_smem.transpose((1, 0)))
+      return acc_ref[...]
+
+    s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
+    s = s * (scale * _LOG2E)
+    limit = plgpu.load(limit_smem.at[wg], (), layout=_ROW_LAYOUT)
+    if check_users:
+      row_bit = plgpu.load(bit_smem.at[wg], (), layout=_ROW_LAYOUT)
+      limit = jnp.where((row_bit & users) != 0, limit, -1)
+    key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE, KEY_BLOCK), 1, layout=plgpu.Layout.WGMMA)
+    visible = key_ids <= lax.broadcast_in_dim(limit - block * KEY_BLOCK, s.shape, [0])
+    s = jnp.where(visible, s, -jnp.inf)
+
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_safe)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    p16 = p.astype(v_smem.dtype)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if p_smem is not None:  # GPU interpret mode only takes wgmma's A operand from shared memory
+      p_smem.at[wg][...] = p16
+      plgpu.commit_smem()
+    a_operand = p16 if p_smem is None else p_smem.at[wg]
+    if acc_in_place:  # accumulate P.V into the rescaled O (no second accumulator)
+      acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_operand, v_smem))(plgpu.ACC.init(acc))
+    else:  # GPU interpret mode has no pre-initialised accumulator: a fresh one, added in registers
+
+      def pv_scope(pv_ref):
+        plgpu.wgmma(pv_ref, a_operand, v_smem)
+        return pv_ref[...]
+
+      acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+    return acc, m_new, l_i
+
+  def body(idx, k_smem, v_smem, carry):
+    entry = idx[0]
+    users = users_list_ref[entry]
+    mine = lax.shift_right_logical(users, wg * queries_per_wg) & my_mask
+    return lax.cond(
+        mine != 0,
+        functools.partial(attend, list_ref[entry], users, k_smem, v_smem),
+        lambda c: c,
+        carry,
+    )
+
+  def kv_spec():
+    return plgpu.BlockSpec(
+        (KEY_BLOCK, head_dim), lambda i: (list_ref[i], 0), transforms=_smem_transforms(k_ref.dtype)
+    )
+
+  pipeline = plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(count_ref[batch, tile, group],),
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=[kv_spec(), kv_spec()],
+      max_concurrent_steps=stages,
+      wg_axis="wg",
+      num_compute_wgs=compute_wgs,
+      compute_context=compute_context,
+  )
+  pipeline(k_ref.at[batch, :, group, :], v_ref.at[batch, :, group, :])
+
+
+def ws_attention_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    plan: TilePlan,
+    *,
+    scale: float,
+    block_sizes: SparseAttentionBlockSizes,
+    check_users: bool,
+    p_in_smem: bool | None = None,
+    interpret: Any = False,
+) -> tuple[jax.Array, None]:
+  """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2).
+
+  Args:
+    q: [B, Sq_pad, Nq, D] with Sq_pad % queries_per_tile == 0; k, v: [B, Sk_pad, Nkv, D], Sk_pad % 128 == 0.
+    plan: TilePlan built with queries_per_tile and compute_wgs of block_sizes.
+    check_users: mask each row by its query's bit of the entry's user mask (sparse plans).
+    p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode).
+
+  Returns:
+    (o [1, B, Sq_pad, Nq, D] in q.dtype, None): the launch contract of kernel_sm90.attention_pallas.
+  """
+  b, sq_pad, nq, d = q.shape
+  nkv = k.shape[2]
+  hpg = nq // nkv
+  wgs = block_sizes.compute_wgs
+  qpt = block_sizes.queries_per_tile
+  qpw = qpt // wgs
+  p_in_smem = bool(p_in_smem) or bool(interpret)
+  if (wgs != 2 or block_sizes.num_splits != 1 or qpt % wgs or sq_pad % qpt or qpw * hpg > ROWS_PER_TILE
+      or k.shape[1] % KEY_BLOCK or plan.row_limit.shape[-1] != wgs * ROWS_PER_TILE):
+    raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {block_sizes=}, {plan.row_limit.shape=}")
+  kernel = functools.partial(
+      _ws_attention_kernel, queries_per_wg=qpw, heads_per_group=hpg, compute_wgs=wgs,
+      stages=block_sizes.kv_stages, scale=scale, head_dim=d, check_users=check_users,
+      acc_in_place=not interpret,
+  )
+  scratch = [
+      plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=_smem_transforms(q.dtype)),
+      plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
+      plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
+      plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=_smem_transforms(q.dtype)) if p_in_smem else None,
+      plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
+  ]
+  o = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((1, b, sq_pad, nq, d), q.dtype),
+      # the last grid axis is CUDA x: consecutive CTAs are consecutive tiles of one KV group (shared K/V in L2)
+      grid=(b, nkv, sq_pad // qpt),
+      grid_names=("batch", "group", "tile"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}",
+  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
+  return o, None
