@@ -282,7 +282,6 @@ def main():
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
   variants = [
       ("Q=8 2 compute WGs stages=2", SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)),
-      ("Q=8 2 compute WGs stages=3", SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=3, compute_wgs=2)),
       ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
       ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),
@@ -297,7 +296,7 @@ def main():
       indexer_prefill(s, with_ref)
     if "sparse" in sections:
       sparse_prefill(s, False, with_ref, variants if s <= 40000 else variants[:2])
-      sparse_prefill(s, True, False, variants[:1] + variants[2:] if not INTERPRET else variants)
+      sparse_prefill(s, True, False, variants[:2] + variants[3:] if not INTERPRET else variants)
     if "dense" in sections and (s <= 40000 or not args.quick):
       dense_prefill(s, s <= 40000)
   for case in filter(None, args.decode.split(",") if "decode" in sections else []):

@@ -49,7 +49,9 @@ class SparseAttentionBlockSizes:
     """Query/output tiles + K and V stages + per-row vectors (+ the P tiles when staged in smem)."""
     rows = self.compute_wgs * ROWS_PER_TILE
     p_tile = rows * KEY_BLOCK * itemsize if self.p_in_smem else 0
-    return (rows + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * rows * 4 + p_tile
+    # + 4 KB for barriers and the 1 KB alignment of swizzled buffers (measured: 2 warpgroups, 3 stages,
+    # D = 128 allocate 233536 B against 230912 B of buffers)
+    return (rows + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * rows * 4 + p_tile + 4096
 
 
 def heuristic_block_sizes(

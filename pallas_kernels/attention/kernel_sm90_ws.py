@@ -11,7 +11,9 @@ otherwise, as kernel_sm90.py:
   S = where(key_slot <= row_limit and the row's query uses the block, S, -inf)
   online softmax in base 2 (fp32), P cast to the input dtype, O = O * alpha + P . V_blk (wgmma, fp32)
 
-and writes O / l in the input dtype. No splits (prefill has enough tiles to fill the GPU).
+(the mask is skipped for blocks every query of the warpgroup uses and sees entirely) and writes O / l in
+the input dtype. The two compute warpgroups alternate on the tensor cores (a schedule barrier, as in
+FlashAttention-3) and release each K (V) buffer right after their Q.K (P.V) wgmma. No splits (prefill has enough tiles to fill the GPU).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _row_vector(value):
 
 def _ws_attention_kernel(
     q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
-    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, *,
+    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
     check_users: bool, acc_in_place: bool,
 ):
@@ -55,7 +57,9 @@ def _ws_attention_kernel(
   count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
   o_ref [1, B, Sq_pad, Nq, D].
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
-  bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers).
+  bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
+  schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
+  ping-pong: one's softmax overlaps the other's wgmma).
   """
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
@@ -66,6 +70,10 @@ def _ws_attention_kernel(
   list_ref = blocks_ref.at[batch, tile, group]
   users_list_ref = users_ref.at[batch, tile, group]
   my_mask = (1 << queries_per_wg) - 1
+
+  def schedule():
+    plgpu.barrier_arrive(schedule_barrier)
+    plgpu.barrier_wait(schedule_barrier)
 
   def compute_context(run_pipeline):
     my_q = qo_smem.at[wg]
@@ -85,7 +93,9 @@ def _ws_attention_kernel(
         _row_vector(-jnp.inf),
         _row_vector(0.0),
     )
+    pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
     acc, _, l_i = run_pipeline(init)
+    pl.when(wg == 0)(schedule)
     empty = l_i == 0.0
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
@@ -95,28 +105,39 @@ def _ws_attention_kernel(
                               o_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
 
-  def attend(block, users, k_smem, v_smem, carry):
+  def skip(k_consumed, v_consumed, carry):
+    plgpu.barrier_arrive(k_consumed)
+    schedule()
+    schedule()
+    plgpu.barrier_arrive(v_consumed)
+    return carry
+
+  def attend(block, users, k_smem, v_smem, k_consumed, v_consumed, carry, *, masked: bool):
     acc, m_i, l_i = carry
     my_q = qo_smem.at[wg]
 
     def qk_scope(acc_ref):
       plgpu.wgmma(acc_ref, my_q, k_smem.transpose((1, 0)))
+      schedule()
       return acc_ref[...]
 
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
-    s = s * (scale * _LOG2E)
-    limit = plgpu.load(limit_smem.at[wg], (), layout=_ROW_LAYOUT)
-    if check_users:
-      row_bit = plgpu.load(bit_smem.at[wg], (), layout=_ROW_LAYOUT)
-      limit = jnp.where((row_bit & users) != 0, limit, -1)
-    key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE, KEY_BLOCK), 1, layout=plgpu.Layout.WGMMA)
-    visible = key_ids <= lax.broadcast_in_dim(limit - block * KEY_BLOCK, s.shape, [0])
-    s = jnp.where(visible, s, -jnp.inf)
+    plgpu.barrier_arrive(k_consumed)
+    if masked:  # rows of queries that skip the block, and keys past a row's position, get -inf
+      limit = plgpu.load(limit_smem.at[wg], (), layout=_ROW_LAYOUT)
+      if check_users:
+        row_bit = plgpu.load(bit_smem.at[wg], (), layout=_ROW_LAYOUT)
+        limit = jnp.where((row_bit & users) != 0, limit, -1)
+      key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE, KEY_BLOCK), 1, layout=plgpu.Layout.WGMMA)
+      visible = key_ids <= lax.broadcast_in_dim(limit - block * KEY_BLOCK, s.shape, [0])
+      s = jnp.where(visible, s, -jnp.inf)
 
-    m_new = jnp.maximum(m_i, s.max(axis=1))
+    # m is kept in base-2 units of the scaled scores: exp2(s * c - m) is one FMA per element
+    c = scale * _LOG2E
+    m_new = jnp.maximum(m_i, s.max(axis=1) * c)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_safe)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
     p16 = p.astype(v_smem.dtype)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -124,6 +145,7 @@ def _ws_attention_kernel(
       p_smem.at[wg][...] = p16
       plgpu.commit_smem()
     a_operand = p16 if p_smem is None else p_smem.at[wg]
+    schedule()
     if acc_in_place:  # accumulate P.V into the rescaled O (no second accumulator)
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_operand, v_smem))(plgpu.ACC.init(acc))
     else:  # GPU interpret mode has no pre-initialised accumulator: a fresh one, added in registers
@@ -133,16 +155,32 @@ def _ws_attention_kernel(
         return pv_ref[...]
 
       acc = acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+    plgpu.barrier_arrive(v_consumed)
     return acc, m_new, l_i
 
-  def body(idx, k_smem, v_smem, carry):
+  # The smallest position among this warpgroup's queries (-1 if any is padding): a block whose last key
+  # it reaches, used by all of the warpgroup's queries, needs no mask.
+  # (Computed by every thread; the memory warpgroup's index is clamped to stay in bounds, its value unused.)
+  first_row = jnp.minimum(wg, compute_wgs - 1) * ROWS_PER_TILE
+  wg_min_limit = row_limit_ref[batch, tile, first_row]
+  for i in range(1, queries_per_wg):
+    wg_min_limit = jnp.minimum(wg_min_limit, row_limit_ref[batch, tile, first_row + i * heads_per_group])
+
+  def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
     entry = idx[0]
     users = users_list_ref[entry]
+    block = list_ref[entry]
     mine = lax.shift_right_logical(users, wg * queries_per_wg) & my_mask
-    return lax.cond(
-        mine != 0,
-        functools.partial(attend, list_ref[entry], users, k_smem, v_smem),
-        lambda c: c,
+    full = (mine == my_mask) & ((block + 1) * KEY_BLOCK - 1 <= wg_min_limit)
+    branch = jnp.where(mine == 0, 0, jnp.where(full, 1, 2))
+    args = (block, users, k_smem, v_smem, k_consumed, v_consumed)
+    return lax.switch(
+        branch,
+        [
+            functools.partial(skip, k_consumed, v_consumed),
+            functools.partial(attend, *args, masked=False),
+            functools.partial(attend, *args, masked=True),
+        ],
         carry,
     )
 
@@ -160,6 +198,7 @@ def _ws_attention_kernel(
       wg_axis="wg",
       num_compute_wgs=compute_wgs,
       compute_context=compute_context,
+      manual_consumed_barriers=True,
   )
   pipeline(k_ref.at[batch, :, group, :], v_ref.at[batch, :, group, :])
 
@@ -208,6 +247,7 @@ def ws_attention_pallas(
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=_smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
+      plgpu.Barrier(num_arrivals=wgs),
   ]
   o = plgpu.kernel(
       kernel,
