@@ -149,8 +149,9 @@ def sparse_prefill(s, correlated, with_ref, variants):
   flops = attended_flops(ids, pos)
   sel = "correlated" if correlated else "random"
   plan = sparse_plan(ids, pos, num_keys=s, queries_per_tile=4, heads_per_group=NQ // NKV)
+  plan8 = sparse_plan(ids, pos, num_keys=s, queries_per_tile=8, heads_per_group=NQ // NKV, compute_wgs=2)
   record("sparse_union", S=s, selection=sel, mean_list_len_q4=float(plan.count.mean()),
-         mean_selected=float((np.asarray(ids) >= 0).sum(-1).mean()))
+         mean_list_len_q8=float(plan8.count.mean()), mean_selected=float((np.asarray(ids) >= 0).sum(-1).mean()))
   ref = None
   if with_ref:
     fn = jax.jit(functools.partial(sparse_attention_reference, block_size=BLOCK, scale=SCALE))
@@ -280,7 +281,7 @@ def main():
   print(jax.devices(), flush=True)
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
-  variants = [
+  variants = [  # the first is the prefill default (heuristic_block_sizes)
       ("Q=8 2 compute WGs stages=2", SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)),
       ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
       ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
