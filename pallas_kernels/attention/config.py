@@ -56,7 +56,7 @@ class SparseAttentionBlockSizes:
 
 def heuristic_block_sizes(
     batch: int, num_queries: int, num_kv_heads: int, heads_per_group: int, list_len: int, *,
-    num_sms: int = 132,
+    num_sms: int = 132, warp_specialized: bool = True,
 ) -> SparseAttentionBlockSizes:
   """Prefill (at least one CTA per SM): the warp-specialized kernel, two compute warpgroups of
   64 // heads_per_group queries each (8-query tiles for M3), 2 stages. Measured on the H200 at 32K (M3
@@ -66,9 +66,13 @@ def heuristic_block_sizes(
   Decode / short query counts: one warpgroup, up to 4 queries per tile, the block list split so that
   about two CTAs per SM are launched (every split streams distinct K/V blocks: the op is bandwidth-bound
   there) with a deeper pipeline.
+
+  warp_specialized=False (the GPU interpreter) keeps the one-warpgroup kernel: the interpreter runs each
+  simulated warpgroup as its own XLA computation and deadlocked intermittently on a 2-core CPU when many
+  warp-specialized CTAs (132, a 528-token model prefill) waited on each other's barriers.
   """
   per_wg = max(1, ROWS_PER_TILE // heads_per_group)
-  if num_queries >= 2 * per_wg and batch * num_kv_heads * -(-num_queries // (2 * per_wg)) >= num_sms:
+  if warp_specialized and num_queries >= 2 * per_wg and batch * num_kv_heads * -(-num_queries // (2 * per_wg)) >= num_sms:
     return SparseAttentionBlockSizes(queries_per_tile=2 * per_wg, kv_stages=2, compute_wgs=2)
   per_tile = max(1, min(4, per_wg, num_queries))
   ctas = batch * num_kv_heads * -(-num_queries // per_tile)

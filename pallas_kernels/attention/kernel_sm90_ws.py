@@ -49,7 +49,7 @@ def _ws_attention_kernel(
     q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
     qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool,
+    check_users: bool, acc_in_place: bool, ping_pong: bool,
 ):
   """Refs (gmem unless noted):
 
@@ -72,8 +72,9 @@ def _ws_attention_kernel(
   my_mask = (1 << queries_per_wg) - 1
 
   def schedule():
-    plgpu.barrier_arrive(schedule_barrier)
-    plgpu.barrier_wait(schedule_barrier)
+    if ping_pong:
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
 
   def compute_context(run_pipeline):
     my_q = qo_smem.at[wg]
@@ -239,7 +240,11 @@ def ws_attention_pallas(
   kernel = functools.partial(
       _ws_attention_kernel, queries_per_wg=qpw, heads_per_group=hpg, compute_wgs=wgs,
       stages=block_sizes.kv_stages, scale=scale, head_dim=d, check_users=check_users,
-      acc_in_place=not interpret,
+      # The ping-pong only orders the two warpgroups' turns on the tensor cores (results do not depend on
+      # it). The GPU interpreter runs each simulated warpgroup on a pool thread; its barrier waits block
+      # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
+      # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
+      acc_in_place=not interpret, ping_pong=not interpret,
   )
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=_smem_transforms(q.dtype)),

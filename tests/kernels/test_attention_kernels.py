@@ -166,3 +166,15 @@ def test_rejects_unsupported():
     sparse_attention(q, k, v, ids[:, :, :1], pos, block_size=128, scale=0.1, interpret=True)
   with pytest.raises(ValueError):
     causal_attention(q, k, v[:, :100], pos, scale=0.1, interpret=True)
+
+
+def test_heuristic_picks_the_warp_specialized_kernel_for_prefill_only():
+  from pallas_kernels.attention.config import heuristic_block_sizes
+
+  prefill = heuristic_block_sizes(1, 32768, 4, 16, 256)
+  assert (prefill.compute_wgs, prefill.queries_per_tile, prefill.num_splits) == (2, 8, 1)
+  decode = heuristic_block_sizes(64, 1, 4, 16, 16)
+  assert (decode.compute_wgs, decode.queries_per_tile) == (1, 1)
+  short = heuristic_block_sizes(1, 100, 4, 16, 16)  # 52 eight-query CTAs < 132 SMs: split lists instead
+  assert short.compute_wgs == 1 and short.num_splits > 1
+  assert heuristic_block_sizes(1, 32768, 4, 16, 256, warp_specialized=False).compute_wgs == 1
