@@ -179,6 +179,8 @@ def bench_decode(t: int, w, key, args, block_sizes=None, tag="") -> dict:
   for k in ("kernel", "reference"):
     if isinstance(r.get(f"{k}_ms"), float):
       r[f"{k}_TBps"] = nbytes / (r[f"{k}_ms"] * 1e-3) / 1e12
+  if not tag and args.grouped_decode:
+    layouts_side_by_side(r, a, kw, args, nbytes)
   if not tag and args.decode_baselines:  # the gate_up GEMM alone: TB/s over the gate_up weights touched
     r.update(gate_up_alone(x, w, args, with_lax=True, mgpu_cfgs=((64, 128, 64, 4, 1), (128, 128, 64, 4, 1))))
     gu_bytes = touched * H * 2 * I * 2
@@ -186,6 +188,42 @@ def bench_decode(t: int, w, key, args, block_sizes=None, tag="") -> dict:
       if k.startswith("gu_") and isinstance(r[k], float):
         r[k.replace("_ms", "_TBps")] = gu_bytes / (r[k] * 1e-3) / 1e12
   return r
+
+
+def grouped_layout_block(args_example, kw):
+  """moe_block with the grouped dispatch at every T (the decode layout before the broadcast one), jitted.
+
+  Traced once with ``api._dispatch`` patched; later calls hit the compiled cache (no patching on the hot path).
+  """
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  import pallas_kernels.moe.api as api  # pylint: disable=g-import-not-at-top
+
+  def grouped(expert_ids, x, *, num_experts, block_m, fuse_shared, drop_foreign=False):
+    d = build_dispatch(expert_ids, num_experts=num_experts, block_m=block_m, fuse_shared=fuse_shared,
+                       drop_foreign=drop_foreign)
+    return d, x[d.row_token]
+
+  jitted = jax.jit(functools.partial(api.moe_block.__wrapped__, **kw))
+  with mock.patch.object(api, "_dispatch", grouped):
+    jax.block_until_ready(jitted(*args_example))
+  return jitted
+
+
+def layouts_side_by_side(r, a, kw, args, nbytes):
+  """--grouped-decode: the broadcast (default) and grouped decode layouts, timed in alternating rounds."""
+  new = jax.jit(functools.partial(moe_block, **kw))
+  old = grouped_layout_block(a, kw)
+  safe(r, "grouped_layout_rel_diff", lambda: rel_err(new(*a), old(*a)))
+  samples = {"broadcast": [], "grouped": []}
+  for _ in range(5):
+    for name, f in (("broadcast", new), ("grouped", old)):
+      samples[name].append(1e3 * timeit(f, *a, reps=args.reps * 3, rounds=3))
+  for name, v in samples.items():
+    r[f"layout_{name}_ms_samples"] = [round(x, 4) for x in v]
+    r[f"layout_{name}_ms"] = statistics.median(v)
+    r[f"layout_{name}_TBps"] = nbytes / (r[f"layout_{name}_ms"] * 1e-3) / 1e12
+  if jax.default_backend() == "gpu":
+    safe(r, "grouped_kernels_us", lambda: gpu_kernel_times(old, *a))
 
 
 def gpu_kernel_times(f, *args) -> list:
@@ -247,6 +285,8 @@ def main():
   p.add_argument("--no-edge", action="store_true")
   p.add_argument("--decode-baselines", action="store_true",
                  help="decode rows also time the gate_up GEMM alone: this kernel, lax.ragged_dot, ragged_dot_mgpu")
+  p.add_argument("--grouped-decode", action="store_true",
+                 help="also time the grouped dispatch layout at decode T (alternating rounds with the default)")
   p.add_argument("--fp32-check", action="store_true", help="small-dim fp32 (bf16x3) check")
   p.add_argument("--out", default=None)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, GPU interpreter")
@@ -324,6 +364,11 @@ def summarize(res) -> str:
         f"{_f(max(mg) if mg else None)} | {r.get('check_rel_err,max_abs', '-')} |")
   for r in res["prefill"]:
     lines += [f"  T={r['T']} {k}: {_f(v)}" for k, v in r.items() if k.startswith("variant")]
+  for r in res["decode"]:  # --grouped-decode
+    if "layout_grouped_TBps" in r:
+      lines.append(f"  decode T={r['T']} layouts (median of 5 alternating rounds): broadcast "
+                   f"{r['layout_broadcast_ms']:.4f} ms {r['layout_broadcast_TBps']:.2f} TB/s, grouped "
+                   f"{r['layout_grouped_ms']:.4f} ms {r['layout_grouped_TBps']:.2f} TB/s")
   for r in res["decode"]:  # --decode-baselines: gate_up alone, TB/s over the gate_up weights touched
     lines += [f"  decode T={r['T']} {k}: {_f(v, '{:.2f}')}" for k, v in r.items() if k.endswith("_TBps")
               and k.startswith("gu_")]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic_block_sizes
-from pallas_kernels.moe.dispatch import build_dispatch
+from pallas_kernels.moe.dispatch import Dispatch, build_broadcast_dispatch, build_dispatch
 from pallas_kernels.moe.kernel_sm90 import grouped_matmul
 from pallas_kernels.moe.reference import route_reference
 
@@ -134,17 +134,30 @@ class _Gemms:
   def block_m(self) -> int:
     return self.gate_up_tiles.block_m
 
-  def __call__(self, meta, lhs, wgu, wd, sgu=None, sd=None) -> jax.Array:
-    """lhs [M_pad, H] grouped by meta's tiles -> [M_pad, H] in dtype (rows of dead tiles unwritten)."""
+  def __call__(self, meta, lhs, wgu, wd, sgu=None, sd=None, broadcast_lhs=False) -> jax.Array:
+    """lhs [M_pad, H] grouped by meta's tiles (or [block_m, H] read by every tile, broadcast_lhs)
+    -> [M_pad, H] in dtype (rows of dead tiles unwritten)."""
     fp32 = self.dtype == jnp.float32
     prep_w = (lambda w: _split3_rhs(w)) if fp32 else (lambda w: w.astype(self.dtype))
     prep_lhs = _split3_lhs if fp32 else (lambda a: a)
     mm = functools.partial(grouped_matmul, num_sms=self.num_sms, interpret=self.interpret, alpha=self.alpha,
                            limit=self.limit)
     act = mm(meta, prep_lhs(lhs), prep_w(wgu), None if sgu is None else prep_w(sgu), n_parts=2,
-             epilogue="swiglu", out_dtype=self.dtype, block_sizes=self.gate_up_tiles)
+             epilogue="swiglu", out_dtype=self.dtype, block_sizes=self.gate_up_tiles, broadcast_lhs=broadcast_lhs)
     return mm(meta, prep_lhs(act), prep_w(wd), None if sd is None else prep_w(sd), n_parts=1,
               epilogue="none", out_dtype=self.dtype, block_sizes=self.down_tiles)
+
+
+def _dispatch(expert_ids, x, *, num_experts, block_m, fuse_shared, drop_foreign=False) -> tuple[Dispatch, jax.Array]:
+  """(Dispatch, lhs of the gate_up GEMM): the broadcast layout when T <= block_m (decode), else grouped."""
+  t = x.shape[0]
+  if t <= block_m:
+    d = build_broadcast_dispatch(expert_ids, num_experts=num_experts, block_m=block_m, fuse_shared=fuse_shared,
+                                 drop_foreign=drop_foreign)
+    return d, jnp.pad(x, ((0, block_m - t), (0, 0)))
+  d = build_dispatch(expert_ids, num_experts=num_experts, block_m=block_m, fuse_shared=fuse_shared,
+                     drop_foreign=drop_foreign)
+  return d, x[d.row_token]
 
 
 def _combine(weights: jax.Array, y: jax.Array, pos: jax.Array, kept: jax.Array) -> jax.Array:
@@ -197,9 +210,9 @@ def routed_experts(
   if t == 0:
     return jnp.zeros((0, h), jnp.float32)
   gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, e_local, alpha, limit)
-  d = build_dispatch(expert_ids - first_expert, num_experts=e_local, block_m=gemms.block_m, fuse_shared=False,
+  d, lhs = _dispatch(expert_ids - first_expert, x, num_experts=e_local, block_m=gemms.block_m, fuse_shared=False,
                      drop_foreign=True)
-  y = gemms(d.meta, x[d.row_token], w_gate_up, w_down)
+  y = gemms(d.meta, lhs, w_gate_up, w_down, broadcast_lhs=d.row_token is None)
   return _combine(weights, y, d.pos, d.kept)
 
 
@@ -257,9 +270,9 @@ def moe_block(
   fused = fuse_shared and shared_inter == inter
 
   weights, expert_ids, _ = route_reference(x, router_w, correction_bias, top_k=top_k)
-  d = build_dispatch(expert_ids, num_experts=e, block_m=bm, fuse_shared=fused)
-  y = gemms(d.meta, x[d.row_token], w_gate_up, w_down,
-            shared_gate_up if fused else None, shared_down if fused else None)
+  d, lhs = _dispatch(expert_ids, x, num_experts=e, block_m=bm, fuse_shared=fused)
+  y = gemms(d.meta, lhs, w_gate_up, w_down, shared_gate_up if fused else None, shared_down if fused else None,
+            broadcast_lhs=d.row_token is None)
   routed = _combine(weights, y, d.pos, d.kept)
   if fused:
     shared = y[:t]

@@ -1,12 +1,17 @@
 """Token permutation for the tile-grouped MoE GEMMs (pure jnp; sort + histogram).
 
-Padded row layout (``M_pad = max_tiles * block_m`` rows):
+Two layouts. The *grouped* layout (``build_dispatch``; ``M_pad = max_tiles * block_m`` rows):
 
   [ shared-expert tiles: token t at row t | expert 0 tiles | expert 1 tiles | ... | dead tiles ]
 
 Each expert's rows start on a ``block_m`` boundary, so every tile belongs to one expert and each
 touched expert is streamed once per (m-tile, n-tile). Padding rows replay token 0; their outputs
 are never read.
+
+The *broadcast* layout (``build_broadcast_dispatch``, decode: T <= block_m): one tile per touched
+expert, and every tile's rows are all T tokens (row t = token t), so the GEMM's lhs is simply x padded
+to ``block_m`` rows, read by every tile; no per-row gather. The extra rows cost wgmma work only, which is
+free while decode streams weights; they are computed from real tokens (finite) and never read.
 """
 
 from __future__ import annotations
@@ -22,14 +27,15 @@ class Dispatch:
   """Routing layout for one batch.
 
   meta: int32 [1 + max_tiles]: live tile count, then the expert of each tile (E = shared expert).
-  row_token: int32 [M_pad], the token whose activations feed each padded row.
+  row_token: int32 [M_pad], the token whose activations feed each padded row; None in the broadcast
+    layout (the rows of every tile are the T tokens).
   pos: int32 [T, K], the padded row holding assignment (t, k) (row 0 for a dropped assignment).
   kept: bool [T, K], False for assignments dropped by ``drop_foreign`` (their pos must not be read).
   shared_tiles: static number of leading tiles that hold the shared expert (0 if not fused).
   """
 
   meta: jax.Array
-  row_token: jax.Array
+  row_token: jax.Array | None
   pos: jax.Array
   kept: jax.Array
   shared_tiles: int
@@ -122,3 +128,37 @@ def build_dispatch(
   num_live = (shared_tiles + tile_end_e[-1]).astype(jnp.int32)
   meta = jnp.concatenate([num_live[None], tile_expert])
   return Dispatch(meta=meta, row_token=row_token, pos=pos, kept=kept.reshape(t, k), shared_tiles=shared_tiles)
+
+
+def build_broadcast_dispatch(
+    expert_ids: jax.Array, *, num_experts: int, block_m: int, fuse_shared: bool, drop_foreign: bool = False,
+) -> Dispatch:
+  """The broadcast layout (module docstring) for T <= block_m tokens: one tile per touched expert.
+
+  Tiles: [shared tile (if fuse_shared) | touched experts in increasing id | dead tiles], at most
+  ``fuse_shared + min(T*K, E)``; assignment (t, k) sits at row ``tile * block_m + t``. Written as
+  all-pairs comparisons on tiny arrays (no sort, cumsum or scatter): a few small fusions on GPU.
+
+  Args / Returns: as ``build_dispatch`` (``row_token`` is None).
+  """
+  t, k = expert_ids.shape
+  if t > block_m:
+    raise ValueError(f"the broadcast dispatch needs T <= block_m, got T={t}, block_m={block_m}")
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  kept = (flat >= 0) & (flat < num_experts) if drop_foreign else jnp.ones(flat.shape, bool)
+  experts = jnp.arange(num_experts, dtype=jnp.int32)
+  touched = jnp.any(kept[:, None] & (flat[:, None] == experts[None, :]), axis=0)  # [E]
+  # slot[e]: number of touched experts below e (exclusive prefix count, as an [E, E] masked sum)
+  slot = jnp.sum(touched[None, :] & (experts[None, :] < experts[:, None]), axis=1, dtype=jnp.int32)
+  shared_tiles = 1 if fuse_shared else 0
+  max_routed = min(t * k, num_experts)
+  tile_ids = jnp.arange(max_routed, dtype=jnp.int32)
+  is_tile = touched[None, :] & (slot[None, :] == tile_ids[:, None])  # [max_routed, E], one True per live tile
+  routed_expert = jnp.sum(jnp.where(is_tile, experts[None, :], 0), axis=1, dtype=jnp.int32)  # dead: 0
+  num_live = shared_tiles + jnp.sum(touched, dtype=jnp.int32)
+  meta = jnp.concatenate(
+      [num_live[None], jnp.full((shared_tiles,), num_experts, jnp.int32), routed_expert])
+  token = jnp.arange(t * k, dtype=jnp.int32) // k
+  safe_e = jnp.where(kept, flat, 0)
+  pos = jnp.where(kept, (shared_tiles + slot[safe_e]) * block_m + token, 0).reshape(t, k)
+  return Dispatch(meta=meta, row_token=None, pos=pos, kept=kept.reshape(t, k), shared_tiles=shared_tiles)

@@ -60,6 +60,7 @@ def _grouped_kernel(
     alpha: float,
     limit: float,
     bs: MoeBlockSizes,
+    broadcast_lhs: bool,
 ):
   """Kernel body; see the module docstring. Runs on a ("sm",) grid with a "wg" thread axis."""
   ws_gmem, out_gmem = (rest if len(rest) == 2 else (None, rest[0]))
@@ -119,7 +120,7 @@ def _grouped_kernel(
       mi = lax.div(lin, jnp.int32(n_tiles))
       ni = lax.rem(lin, jnp.int32(n_tiles))
       expert = meta_gmem[1 + mi]
-      rows = pl.ds(mi * bm, bm)
+      lhs_rows = pl.ds(0, bm) if broadcast_lhs else pl.ds(mi * bm, bm)  # every tile reads lhs rows [0, bm)
 
       def compute_context(run_pipeline):
         accs = [plgpu.ACC((wg_bm, wg_bn), jnp.float32) for _ in range(n_parts)]
@@ -150,7 +151,7 @@ def _grouped_kernel(
 
       def run_for(w2d):
         make_pipeline(mma_body, compute_context)(
-            lhs_gmem.at[rows, :], *w_views(w2d)(ni), allocations=allocs
+            lhs_gmem.at[lhs_rows, :], *w_views(w2d)(ni), allocations=allocs
         )
 
       if ws_gmem is None:
@@ -188,17 +189,20 @@ def grouped_matmul(
     limit: float = 7.0,
     num_sms: int = 132,
     interpret: Any = False,
+    broadcast_lhs: bool = False,
 ) -> jax.Array:
   """Tile-grouped GEMM with an optional fused SwiGLU-OAI epilogue.
 
   Args:
     meta: int32 [1 + max_tiles]; meta[0] = live tiles, meta[1 + t] = expert of tile t (E = shared).
-    lhs: [M_pad, K] (bf16/f16), M_pad = max_tiles * block_m.
+    lhs: [M_pad, K] (bf16/f16), M_pad = max_tiles * block_m; with broadcast_lhs, [block_m, K], the rows
+      of every tile (the broadcast dispatch layout: decode, T <= block_m tokens).
     w: [E, K, n_parts * N] expert weights; w_shared: [K, n_parts * N] or None.
     n_parts: 2 for gate_up (gate cols first, then up), 1 for down.
     epilogue: "swiglu" (needs n_parts=2) or "none".
     out_dtype: dtype of the [M_pad, N] result.
     interpret: False, or plgpu.InterpretGPUParams() to run on CPU.
+    broadcast_lhs: see lhs.
 
   Returns:
     [M_pad, N] in out_dtype; rows of dead tiles are left unwritten.
@@ -208,17 +212,19 @@ def grouped_matmul(
   if (epilogue == "swiglu") != (n_parts == 2):
     raise ValueError(f"{epilogue=} needs n_parts=2, got {n_parts=}")
   check_grouped_shapes(lhs.shape, w.shape, n_parts, block_sizes)
+  if broadcast_lhs and lhs.shape[0] != block_sizes.block_m:
+    raise ValueError(f"broadcast_lhs needs lhs of block_m={block_sizes.block_m} rows, got {lhs.shape}")
   wg_bm, wg_bn = block_sizes.wg_tile()
   if n_parts * wg_bm * wg_bn > 128 * 128:
     raise ValueError(f"{block_sizes}: {n_parts} fp32 accumulators of {wg_bm}x{wg_bn} per warpgroup "
                      "exceed 128 registers per thread")
-  m_pad = lhs.shape[0]
+  m_pad = (meta.shape[0] - 1) * block_sizes.block_m if broadcast_lhs else lhs.shape[0]
   n = w.shape[2] // n_parts
   operands = [meta, lhs, w] + ([] if w_shared is None else [w_shared.astype(lhs.dtype)])
   kernel = plgpu.kernel(
       functools.partial(
           _grouped_kernel, n_parts=n_parts, epilogue=epilogue, alpha=alpha, limit=limit,
-          bs=block_sizes,
+          bs=block_sizes, broadcast_lhs=broadcast_lhs,
       ),
       out_type=jax.ShapeDtypeStruct((m_pad, n), out_dtype),
       grid=(num_sms,),

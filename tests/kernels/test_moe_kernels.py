@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.moe import (MoeBlockSizes, moe_block, moe_block_reference, route_reference, routed_experts,
                                 routed_experts_reference)
-from pallas_kernels.moe.dispatch import build_dispatch, max_routed_tiles
+from pallas_kernels.moe.dispatch import build_broadcast_dispatch, build_dispatch, max_routed_tiles
 import kernel_modes
 
 _KW = dict(routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
@@ -186,6 +186,28 @@ def test_dispatch_layout_invariants(method):
   other = build_dispatch(ids, num_experts=e, block_m=bm, fuse_shared=True,
                          method="onehot" if method == "sort" else "sort")
   np.testing.assert_array_equal(pos, np.asarray(other.pos))  # both keep assignment order per expert
+
+
+@pytest.mark.parametrize("fuse_shared", [False, True])
+def test_broadcast_dispatch_layout(fuse_shared):
+  # Decode layout: one tile per touched expert (increasing id), row t of every tile is token t.
+  t, k, e, bm = 5, 3, 16, 8
+  ids = jax.random.randint(jax.random.key(2), (t, k), -3, e)  # negative ids: held elsewhere
+  d = build_broadcast_dispatch(ids, num_experts=e, block_m=bm, fuse_shared=fuse_shared, drop_foreign=True)
+  assert d.row_token is None
+  meta, pos, kept = (np.asarray(a) for a in (d.meta, d.pos, d.kept))
+  ids = np.asarray(ids)
+  np.testing.assert_array_equal(kept, ids >= 0)
+  touched = np.unique(ids[kept])
+  s = int(fuse_shared)
+  assert meta.shape == (1 + s + min(t * k, e),) and meta[0] == s + len(touched)
+  assert (meta[1:1 + s] == e).all()
+  np.testing.assert_array_equal(meta[1 + s:1 + s + len(touched)], touched)
+  np.testing.assert_array_equal(meta[1 + pos[kept] // bm], ids[kept])  # each assignment in its expert's tile
+  np.testing.assert_array_equal((pos % bm)[kept], np.nonzero(kept)[0])  # ... at its token's row
+  assert (pos[~kept] == 0).all()
+  with pytest.raises(ValueError, match="T <= block_m"):
+    build_broadcast_dispatch(jnp.zeros((bm + 1, k), jnp.int32), num_experts=e, block_m=bm, fuse_shared=False)
 
 
 def test_input_validation():
