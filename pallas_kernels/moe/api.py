@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic_block_sizes
 from pallas_kernels.moe.dispatch import Dispatch, build_broadcast_dispatch, build_dispatch
 from pallas_kernels.moe.kernel_sm90 import grouped_matmul
-from pallas_kernels.moe.reference import route_reference
+from pallas_kernels.moe.routing import route
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -161,9 +161,16 @@ def _dispatch(expert_ids, x, *, num_experts, block_m, fuse_shared, drop_foreign=
 
 
 def _combine(weights: jax.Array, y: jax.Array, pos: jax.Array, kept: jax.Array) -> jax.Array:
-  """fp32 un-permute: sum_k weights[t, k] * y[pos[t, k]] over the kept assignments -> fp32 [T, H]."""
-  rows = y[pos].astype(jnp.float32)  # [T, K, H]
-  return jnp.sum(jnp.where(kept[:, :, None], weights[:, :, None] * rows, 0.0), axis=1)
+  """fp32 un-permute: sum_k weights[t, k] * y[pos[t, k]] over the kept assignments -> fp32 [T, H].
+
+  Unrolled over the K slots (elementwise adds of K row gathers): one loop fusion on GPU, with its
+  consumers, where a [T, K, H] gather + reduction took two launches.
+  """
+  out = None
+  for k in range(pos.shape[1]):
+    term = jnp.where(kept[:, k, None], weights[:, k, None] * y[pos[:, k]].astype(jnp.float32), 0.0)
+    out = term if out is None else out + term
+  return out
 
 
 @functools.partial(
@@ -269,7 +276,7 @@ def moe_block(
   bm = gemms.block_m
   fused = fuse_shared and shared_inter == inter
 
-  weights, expert_ids, _ = route_reference(x, router_w, correction_bias, top_k=top_k)
+  weights, expert_ids = route(x, router_w, correction_bias, top_k=top_k)
   d, lhs = _dispatch(expert_ids, x, num_experts=e, block_m=bm, fuse_shared=fused)
   y = gemms(d.meta, lhs, w_gate_up, w_down, shared_gate_up if fused else None, shared_down if fused else None,
             broadcast_lhs=d.row_token is None)

@@ -152,12 +152,16 @@ def build_broadcast_dispatch(
   slot = jnp.sum(touched[None, :] & (experts[None, :] < experts[:, None]), axis=1, dtype=jnp.int32)
   shared_tiles = 1 if fuse_shared else 0
   max_routed = min(t * k, num_experts)
-  tile_ids = jnp.arange(max_routed, dtype=jnp.int32)
-  is_tile = touched[None, :] & (slot[None, :] == tile_ids[:, None])  # [max_routed, E], one True per live tile
-  routed_expert = jnp.sum(jnp.where(is_tile, experts[None, :], 0), axis=1, dtype=jnp.int32)  # dead: 0
-  num_live = shared_tiles + jnp.sum(touched, dtype=jnp.int32)
-  meta = jnp.concatenate(
-      [num_live[None], jnp.full((shared_tiles,), num_experts, jnp.int32), routed_expert])
+  # meta as one [1 + shared_tiles + max_routed, E] masked sum: row 0 counts the live tiles, the shared
+  # rows hold E, routed row j holds the touched expert of slot j (0 for dead tiles, never visited).
+  j = jnp.arange(1 + shared_tiles + max_routed, dtype=jnp.int32)[:, None]
+  ev = experts[None, :]
+  first_col = ev == 0
+  contrib = jnp.where(
+      j == 0, touched[None, :].astype(jnp.int32) + jnp.where(first_col, shared_tiles, 0),
+      jnp.where(j <= shared_tiles, jnp.where(first_col, num_experts, 0),
+                jnp.where(touched[None, :] & (slot[None, :] == j - 1 - shared_tiles), ev, 0)))
+  meta = jnp.sum(contrib, axis=1, dtype=jnp.int32)
   token = jnp.arange(t * k, dtype=jnp.int32) // k
   safe_e = jnp.where(kept, flat, 0)
   pos = jnp.where(kept, (shared_tiles + slot[safe_e]) * block_m + token, 0).reshape(t, k)

@@ -13,6 +13,7 @@ import pytest
 
 from pallas_kernels.moe import (MoeBlockSizes, moe_block, moe_block_reference, route_reference, routed_experts,
                                 routed_experts_reference)
+from pallas_kernels.moe.routing import route, top_k_all_pairs
 from pallas_kernels.moe.dispatch import build_broadcast_dispatch, build_dispatch, max_routed_tiles
 import kernel_modes
 
@@ -208,6 +209,23 @@ def test_broadcast_dispatch_layout(fuse_shared):
   assert (pos[~kept] == 0).all()
   with pytest.raises(ValueError, match="T <= block_m"):
     build_broadcast_dispatch(jnp.zeros((bm + 1, k), jnp.int32), num_experts=e, block_m=bm, fuse_shared=False)
+
+
+def test_all_pairs_top_k_matches_lax_top_k_with_ties():
+  v = jax.random.normal(jax.random.key(3), (9, 32), jnp.float32)
+  v = v.at[:, 5].set(v[:, 7]).at[:, 20].set(v[:, 7])  # three-way ties in every row
+  v = v.at[0].set(0.0)  # a row of all-equal values
+  for k in (1, 4, 32):
+    np.testing.assert_array_equal(np.asarray(top_k_all_pairs(v, k)), np.asarray(jax.lax.top_k(v, k)[1]))
+
+
+@pytest.mark.parametrize("t", [1, 7, 300])  # 300 tokens x 128 x 128 falls back to lax.top_k
+def test_kernel_routing_matches_reference(t):
+  x, router_w, bias, *_ = _make(t, 128, 128, 128, 128, jnp.bfloat16, seed=t)
+  weights, ids = route(x, router_w, bias, top_k=4)
+  ref_w, ref_ids, _ = route_reference(x, router_w, bias, top_k=4)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+  np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_w), rtol=1e-6)
 
 
 def test_input_validation():
