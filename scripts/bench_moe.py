@@ -226,6 +226,32 @@ def layouts_side_by_side(r, a, kw, args, nbytes):
     safe(r, "grouped_kernels_us", lambda: gpu_kernel_times(old, *a))
 
 
+def stacked_blocks(t: int, w, key, args, depth: int) -> dict:
+  """--decode-stack: ``depth`` MoE blocks (same weights, independent token batches) in one jitted call, as a
+  decode step runs its layers: per-block time without the per-call host dispatch and sync of single calls.
+
+  TB/s counts each block's own touched experts (+ the shared expert).
+  """
+  xs = jax.random.normal(key, (depth, t, H), jnp.bfloat16)
+  touched = 0
+  for i in range(depth):
+    _, ids, _ = route_reference(xs[i], w["router_w"], w["correction_bias"], top_k=TOP_K)
+    touched += len(np.unique(np.asarray(ids)))
+  nbytes = (touched + depth) * 3 * H * I * 2
+
+  @jax.jit
+  def stack(xs, *rest):
+    return jnp.stack([moe_block(xs[i], *rest, **KW) for i in range(depth)])
+
+  rest = block_args(xs[0], w)[1:]
+  r = {"T": t, "depth": depth, "weight_gb": nbytes / 1e9}
+  samples = [1e3 * timeit(stack, xs, *rest, reps=args.reps, rounds=3) / depth for _ in range(5)]
+  r["per_block_ms_samples"] = [round(v, 4) for v in samples]
+  r["per_block_ms"] = statistics.median(samples)
+  r["TBps"] = nbytes / depth / (r["per_block_ms"] * 1e-3) / 1e12
+  return r
+
+
 def gpu_kernel_times(f, *args) -> list:
   """[(kernel name, us)] of one call (CUPTI, via jax's Mosaic GPU profiler) plus their sum."""
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
@@ -287,6 +313,8 @@ def main():
                  help="decode rows also time the gate_up GEMM alone: this kernel, lax.ragged_dot, ragged_dot_mgpu")
   p.add_argument("--grouped-decode", action="store_true",
                  help="also time the grouped dispatch layout at decode T (alternating rounds with the default)")
+  p.add_argument("--decode-stack", type=int, default=0,
+                 help="also time this many decode blocks inside one jitted call (per-block time)")
   p.add_argument("--fp32-check", action="store_true", help="small-dim fp32 (bf16x3) check")
   p.add_argument("--out", default=None)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, GPU interpreter")
@@ -324,6 +352,10 @@ def run(args):
     print(f"== decode T={t}", flush=True)
     res["decode"].append(bench_decode(t, w, jax.random.key(t), args))
     dump()
+    if args.decode_stack:
+      res.setdefault("decode_stack", []).append(stacked_blocks(t, w, jax.random.key(100 + t), args,
+                                                               args.decode_stack))
+      dump()
     if args.variants and t == 64:
       bs = (MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=6, wg_split="n"),
             MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=6, wg_split="n"))
@@ -364,6 +396,9 @@ def summarize(res) -> str:
         f"{_f(max(mg) if mg else None)} | {r.get('check_rel_err,max_abs', '-')} |")
   for r in res["prefill"]:
     lines += [f"  T={r['T']} {k}: {_f(v)}" for k, v in r.items() if k.startswith("variant")]
+  for r in res.get("decode_stack", []):
+    lines.append(f"  decode T={r['T']}, {r['depth']} blocks in one call: {r['per_block_ms']:.4f} ms per block, "
+                 f"{r['TBps']:.2f} TB/s (samples {r['per_block_ms_samples']})")
   for r in res["decode"]:  # --grouped-decode
     if "layout_grouped_TBps" in r:
       lines.append(f"  decode T={r['T']} layouts (median of 5 alternating rounds): broadcast "
