@@ -27,17 +27,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SparseAttentionBlockSizes
 from pallas_kernels.attention.plan import TilePlan
 
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
-_LOG2E = math.log2(math.e)
+ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+LOG2E = math.log2(math.e)
 
 
-def _smem_transforms(dtype) -> tuple[Any, ...]:
+def smem_transforms(dtype) -> tuple[Any, ...]:
   swizzle = 128
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _row_vector(value):
-  return plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), value, dtype=jnp.float32), _ROW_LAYOUT)
+def row_vector(value):
+  return plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), value, dtype=jnp.float32), ROW_LAYOUT)
+
+
+def mask_invisible_keys(s, limit, block):
+  """s [64, 128] scores of key block ``block``: keys past each row's last visible key slot ``limit`` [64]
+  (row layout; -1 hides the whole row) get -inf."""
+  key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE, KEY_BLOCK), 1, layout=plgpu.Layout.WGMMA)
+  visible = key_ids <= lax.broadcast_in_dim(limit - block * KEY_BLOCK, s.shape, [0])
+  return jnp.where(visible, s, -jnp.inf)
 
 
 def _attention_kernel(
@@ -76,8 +84,8 @@ def _attention_kernel(
   plgpu.copy_gmem_to_smem(row_limit_ref.at[batch, tile], limit_smem, load_barrier.at[0])
   plgpu.copy_gmem_to_smem(row_bit_ref, bit_smem, load_barrier.at[0])
   plgpu.barrier_wait(load_barrier.at[0])
-  row_limit = plgpu.load(limit_smem, layout=_ROW_LAYOUT)
-  row_bit = plgpu.load(bit_smem, layout=_ROW_LAYOUT)
+  row_limit = plgpu.load(limit_smem, layout=ROW_LAYOUT)
+  row_bit = plgpu.load(bit_smem, layout=ROW_LAYOUT)
 
   count = count_ref[batch, tile, group]
   start = split * list_per_split
@@ -89,7 +97,7 @@ def _attention_kernel(
     return plgpu.BlockSpec(
         (None, KEY_BLOCK, None, head_dim),
         lambda i: (batch, list_ref[start + i], group, 0),
-        transforms=_smem_transforms(k_ref.dtype),
+        transforms=smem_transforms(k_ref.dtype),
     )
 
   def body(idx, k_smem, v_smem, carry):
@@ -102,13 +110,11 @@ def _attention_kernel(
       return acc_ref[...]
 
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
-    s = s * (scale * _LOG2E)
+    s = s * (scale * LOG2E)
     limit = row_limit
     if check_users:
       limit = jnp.where((row_bit & users_list_ref[entry]) != 0, row_limit, -1)
-    key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE, KEY_BLOCK), 1, layout=plgpu.Layout.WGMMA)
-    visible = key_ids <= lax.broadcast_in_dim(limit - block * KEY_BLOCK, s.shape, [0])
-    s = jnp.where(visible, s, -jnp.inf)
+    s = mask_invisible_keys(s, limit, block)
 
     m_new = jnp.maximum(m_i, s.max(axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -133,8 +139,8 @@ def _attention_kernel(
 
   init = (
       plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-      _row_vector(-jnp.inf),
-      _row_vector(0.0),
+      row_vector(-jnp.inf),
+      row_vector(0.0),
   )
   acc, m_i, l_i = plgpu.emit_pipeline(
       body,
@@ -148,7 +154,7 @@ def _attention_kernel(
   out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
   qo_smem[...] = out.astype(qo_smem.dtype)
   if lse_ref is not None:
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * _LOG2E)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * LOG2E)
   plgpu.commit_smem()
   for i in range(queries_per_tile):
     rows = pl.ds(i * heads_per_group, heads_per_group)
@@ -204,11 +210,11 @@ def attention_pallas(
       check_users=check_users,
   )
   scratch = [
-      plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, transforms=_smem_transforms(q.dtype)),
+      plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
       plgpu.SMEM((ROWS_PER_TILE,), jnp.int32),
       plgpu.SMEM((ROWS_PER_TILE,), jnp.int32),
       plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
-      plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=_smem_transforms(q.dtype)) if p_in_smem else None,
+      plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpt + 2, num_barriers=1),
   ]
   outs = plgpu.kernel(

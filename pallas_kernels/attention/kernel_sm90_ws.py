@@ -19,7 +19,6 @@ FlashAttention-3) and release each K (V) buffer right after their Q.K (P.V) wgmm
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -29,20 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SparseAttentionBlockSizes
+from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, row_vector, smem_transforms
 from pallas_kernels.attention.plan import TilePlan
 
-_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
-_LOG2E = math.log2(math.e)
 _MEMORY_REGISTERS = 40
-
-
-def _smem_transforms(dtype) -> tuple[Any, ...]:
-  swizzle = 128
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
-def _row_vector(value):
-  return plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), value, dtype=jnp.float32), _ROW_LAYOUT)
 
 
 def _ws_attention_kernel(
@@ -91,8 +80,8 @@ def _ws_attention_kernel(
     plgpu.barrier_wait(q_barrier.at[wg])
     init = (
         plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-        _row_vector(-jnp.inf),
-        _row_vector(0.0),
+        row_vector(-jnp.inf),
+        row_vector(0.0),
     )
     pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
     acc, _, l_i = run_pipeline(init)
@@ -125,16 +114,14 @@ def _ws_attention_kernel(
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
     plgpu.barrier_arrive(k_consumed)
     if masked:  # rows of queries that skip the block, and keys past a row's position, get -inf
-      limit = plgpu.load(limit_smem.at[wg], (), layout=_ROW_LAYOUT)
+      limit = plgpu.load(limit_smem.at[wg], (), layout=ROW_LAYOUT)
       if check_users:
-        row_bit = plgpu.load(bit_smem.at[wg], (), layout=_ROW_LAYOUT)
+        row_bit = plgpu.load(bit_smem.at[wg], (), layout=ROW_LAYOUT)
         limit = jnp.where((row_bit & users) != 0, limit, -1)
-      key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE, KEY_BLOCK), 1, layout=plgpu.Layout.WGMMA)
-      visible = key_ids <= lax.broadcast_in_dim(limit - block * KEY_BLOCK, s.shape, [0])
-      s = jnp.where(visible, s, -jnp.inf)
+      s = mask_invisible_keys(s, limit, block)
 
     # m is kept in base-2 units of the scaled scores: exp2(s * c - m) is one FMA per element
-    c = scale * _LOG2E
+    c = scale * LOG2E
     m_new = jnp.maximum(m_i, s.max(axis=1) * c)
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_safe)
@@ -187,7 +174,7 @@ def _ws_attention_kernel(
 
   def kv_spec():
     return plgpu.BlockSpec(
-        (KEY_BLOCK, head_dim), lambda i: (list_ref[i], 0), transforms=_smem_transforms(k_ref.dtype)
+        (KEY_BLOCK, head_dim), lambda i: (list_ref[i], 0), transforms=smem_transforms(k_ref.dtype)
     )
 
   pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -247,10 +234,10 @@ def ws_attention_pallas(
       acc_in_place=not interpret, ping_pong=not interpret,
   )
   scratch = [
-      plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=_smem_transforms(q.dtype)),
+      plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
-      plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=_smem_transforms(q.dtype)) if p_in_smem else None,
+      plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs),
   ]

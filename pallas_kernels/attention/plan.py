@@ -46,11 +46,16 @@ def padded_query_count(num_queries: int, queries_per_tile: int) -> int:
   return -(-num_queries // queries_per_tile) * queries_per_tile
 
 
+def _last_visible_key(q_positions: jax.Array, num_keys: int) -> jax.Array:
+  """Last key slot each query sees (its position, clipped to the keys; -1 for padding queries)."""
+  return jnp.where(q_positions >= 0, jnp.minimum(q_positions, num_keys - 1), -1)
+
+
 def _row_metadata(q_positions, num_keys, queries_per_tile, heads_per_group, compute_wgs=1):
   """row_limit [B, tiles, W * 64] and row_bit [W * 64] (see TilePlan)."""
   b, sq_pad = q_positions.shape
   per_wg = queries_per_tile // compute_wgs
-  limit = jnp.where(q_positions >= 0, jnp.minimum(q_positions, num_keys - 1), -1)
+  limit = _last_visible_key(q_positions, num_keys)
   per_row = jnp.repeat(limit.reshape(b, -1, compute_wgs, per_wg), heads_per_group, axis=3)
   real_rows = per_wg * heads_per_group
   row_limit = jnp.pad(per_row, [(0, 0), (0, 0), (0, 0), (0, ROWS_PER_TILE - real_rows)], constant_values=-1)
@@ -130,7 +135,7 @@ def dense_causal_plan(
   count = jnp.where(last >= 0, last // KEY_BLOCK + 1, 0).astype(jnp.int32)
   count = jnp.broadcast_to(count[:, :, None], (b, sq_pad // q, num_kv_heads))
   blocks = jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32), (*count.shape, num_blocks))
-  limit = jnp.where(q_positions >= 0, jnp.minimum(q_positions, num_keys - 1), -1).reshape(b, -1, q)  # [B, tiles, Q]
+  limit = _last_visible_key(q_positions, num_keys).reshape(b, -1, q)  # [B, tiles, Q]
   sees = limit[:, :, None, :] >= jnp.arange(num_blocks, dtype=jnp.int32)[None, None, :, None] * KEY_BLOCK
   users = jnp.sum(jnp.where(sees, jnp.left_shift(1, jnp.arange(q, dtype=jnp.int32)), 0), axis=-1, dtype=jnp.int32)
   users = jnp.broadcast_to(users[:, :, None, :], blocks.shape)

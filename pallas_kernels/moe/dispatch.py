@@ -51,6 +51,11 @@ def max_routed_tiles(num_tokens: int, top_k: int, num_experts: int, block_m: int
 _ONEHOT_MAX_ASSIGNMENTS = 4096
 
 
+def _kept(flat: jax.Array, num_experts: int, drop_foreign: bool) -> jax.Array:
+  """bool [T*K]: assignments to experts held here ([0, E)); all of them unless drop_foreign."""
+  return (flat >= 0) & (flat < num_experts) if drop_foreign else jnp.ones(flat.shape, bool)
+
+
 def build_dispatch(
     expert_ids: jax.Array, *, num_experts: int, block_m: int, fuse_shared: bool,
     method: str = "auto", drop_foreign: bool = False,
@@ -72,7 +77,7 @@ def build_dispatch(
   """
   t, k = expert_ids.shape
   flat = expert_ids.reshape(-1).astype(jnp.int32)
-  kept = (flat >= 0) & (flat < num_experts) if drop_foreign else jnp.ones(flat.shape, bool)
+  kept = _kept(flat, num_experts, drop_foreign)
   if drop_foreign:
     flat = jnp.where(kept, flat, num_experts)  # one id past the experts: sorts last, counted nowhere
   if fuse_shared:
@@ -145,7 +150,7 @@ def build_broadcast_dispatch(
   if t > block_m:
     raise ValueError(f"the broadcast dispatch needs T <= block_m, got T={t}, block_m={block_m}")
   flat = expert_ids.reshape(-1).astype(jnp.int32)
-  kept = (flat >= 0) & (flat < num_experts) if drop_foreign else jnp.ones(flat.shape, bool)
+  kept = _kept(flat, num_experts, drop_foreign)
   experts = jnp.arange(num_experts, dtype=jnp.int32)
   touched = jnp.any(kept[:, None] & (flat[:, None] == experts[None, :]), axis=0)  # [E]
   # slot[e]: number of touched experts below e (exclusive prefix count, as an [E, E] masked sum)

@@ -32,6 +32,14 @@ def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, alpha: f
   return jnp.dot(a, w_down.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def router_scores(x: jax.Array, router_w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """fp32 router logits [T, E] of x [T, H] and router_w [H, E], and their sigmoid scores [T, E]."""
+  logits = jnp.dot(
+      x.astype(jnp.float32), router_w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+  )
+  return logits, jax.nn.sigmoid(logits)
+
+
 def route_reference(
     x: jax.Array, router_w: jax.Array, correction_bias: jax.Array, *, top_k: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -47,10 +55,7 @@ def route_reference(
     weights fp32 [T, K] (unbiased sigmoid of the chosen experts, renormalised over the K),
     expert_ids int32 [T, K], router_logits fp32 [T, E].
   """
-  logits = jnp.dot(
-      x.astype(jnp.float32), router_w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
-  )
-  scores = jax.nn.sigmoid(logits)
+  logits, scores = router_scores(x, router_w)
   _, expert_ids = jax.lax.top_k(scores + correction_bias.astype(jnp.float32), top_k)
   chosen = jnp.take_along_axis(scores, expert_ids, axis=-1)
   weights = chosen / jnp.sum(chosen, axis=-1, keepdims=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.reference import route_reference
+from pallas_kernels.moe.reference import route_reference, router_scores
 
 _ALL_PAIRS_MAX_ELEMS = 1 << 22  # T * E * E up to this: all-pairs ranking (T <= 256 at E = 128)
 
@@ -48,8 +48,7 @@ def route(
   if t * e * e > _ALL_PAIRS_MAX_ELEMS:
     weights, expert_ids, _ = route_reference(x, router_w, correction_bias, top_k=top_k)
     return weights, expert_ids
-  logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-  scores = jax.nn.sigmoid(logits)
+  _, scores = router_scores(x, router_w)
   expert_ids = top_k_all_pairs(scores + correction_bias.astype(jnp.float32), top_k)
   chosen = jnp.take_along_axis(scores, expert_ids, axis=-1)
   # The K-term sum unrolled into elementwise adds: gather + normalisation then fuse into their consumer
