@@ -61,7 +61,8 @@ def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> 
       kv_stages=stages, p_in_smem=bs.p_in_smem, compute_wgs=wgs, queries_per_tile=qpt).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
     stages -= 1
   return SparseAttentionBlockSizes(
-      queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem, compute_wgs=wgs
+      queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem, compute_wgs=wgs,
+      ping_pong=bs.ping_pong,
   )
 
 

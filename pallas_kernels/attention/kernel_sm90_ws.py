@@ -38,7 +38,7 @@ def _ws_attention_kernel(
     q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
     qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool, ping_pong: bool,
+    check_users: bool, acc_in_place: bool, ping_pong: str,
 ):
   """Refs (gmem unless noted):
 
@@ -48,7 +48,9 @@ def _ws_attention_kernel(
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
   bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
-  ping-pong: one's softmax overlaps the other's wgmma).
+  ping-pong: one's softmax overlaps the other's wgmma). ping_pong (SparseAttentionBlockSizes.ping_pong) says
+  on which list entries they pair up; both warpgroups see the same user masks, so they always make the
+  same number of rendezvous.
   """
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
@@ -60,10 +62,16 @@ def _ws_attention_kernel(
   users_list_ref = users_ref.at[batch, tile, group]
   my_mask = (1 << queries_per_wg) - 1
 
-  def schedule():
-    if ping_pong:
-      plgpu.barrier_arrive(schedule_barrier)
-      plgpu.barrier_wait(schedule_barrier)
+  def rendezvous():
+    plgpu.barrier_arrive(schedule_barrier)
+    plgpu.barrier_wait(schedule_barrier)
+
+  def schedule(paired):
+    """One turn of the ping-pong; paired: Python bool or a traced bool, equal in both warpgroups."""
+    if paired is True:
+      rendezvous()
+    elif paired is not False:
+      pl.when(paired)(rendezvous)
 
   def compute_context(run_pipeline):
     my_q = qo_smem.at[wg]
@@ -83,9 +91,11 @@ def _ws_attention_kernel(
         row_vector(-jnp.inf),
         row_vector(0.0),
     )
-    pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
+    if ping_pong != "off":
+      pl.when(wg == 1)(rendezvous)  # warpgroup 0 takes the tensor cores first
     acc, _, l_i = run_pipeline(init)
-    pl.when(wg == 0)(schedule)
+    if ping_pong != "off":
+      pl.when(wg == 0)(rendezvous)
     empty = l_i == 0.0
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
@@ -95,20 +105,20 @@ def _ws_attention_kernel(
                               o_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
 
-  def skip(k_consumed, v_consumed, carry):
+  def skip(paired, k_consumed, v_consumed, carry):
     plgpu.barrier_arrive(k_consumed)
-    schedule()
-    schedule()
+    schedule(paired)
+    schedule(paired)
     plgpu.barrier_arrive(v_consumed)
     return carry
 
-  def attend(block, users, k_smem, v_smem, k_consumed, v_consumed, carry, *, masked: bool):
+  def attend(paired, block, users, k_smem, v_smem, k_consumed, v_consumed, carry, *, masked: bool):
     acc, m_i, l_i = carry
     my_q = qo_smem.at[wg]
 
     def qk_scope(acc_ref):
       plgpu.wgmma(acc_ref, my_q, k_smem.transpose((1, 0)))
-      schedule()
+      schedule(paired)
       return acc_ref[...]
 
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
@@ -133,7 +143,7 @@ def _ws_attention_kernel(
       p_smem.at[wg][...] = p16
       plgpu.commit_smem()
     a_operand = p16 if p_smem is None else p_smem.at[wg]
-    schedule()
+    schedule(paired)
     if acc_in_place:  # accumulate P.V into the rescaled O (no second accumulator)
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_operand, v_smem))(plgpu.ACC.init(acc))
     else:  # GPU interpret mode has no pre-initialised accumulator: a fresh one, added in registers
@@ -161,11 +171,17 @@ def _ws_attention_kernel(
     mine = lax.shift_right_logical(users, wg * queries_per_wg) & my_mask
     full = (mine == my_mask) & ((block + 1) * KEY_BLOCK - 1 <= wg_min_limit)
     branch = jnp.where(mine == 0, 0, jnp.where(full, 1, 2))
-    args = (block, users, k_smem, v_smem, k_consumed, v_consumed)
+    if ping_pong == "shared":  # pair up only when every compute warpgroup uses the entry
+      paired = True
+      for other in range(compute_wgs):
+        paired = paired & ((lax.shift_right_logical(users, other * queries_per_wg) & my_mask) != 0)
+    else:
+      paired = ping_pong == "every"
+    args = (paired, block, users, k_smem, v_smem, k_consumed, v_consumed)
     return lax.switch(
         branch,
         [
-            functools.partial(skip, k_consumed, v_consumed),
+            functools.partial(skip, paired, k_consumed, v_consumed),
             functools.partial(attend, *args, masked=False),
             functools.partial(attend, *args, masked=True),
         ],
@@ -231,7 +247,7 @@ def ws_attention_pallas(
       # it). The GPU interpreter runs each simulated warpgroup on a pool thread; its barrier waits block
       # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
       # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
-      acc_in_place=not interpret, ping_pong=not interpret,
+      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong,
   )
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),

@@ -8,6 +8,8 @@ compiled with P in registers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,19 @@ def test_sparse_two_compute_warpgroups(mode):
   positions = jnp.asarray(pos)
   got = _sparse_case(mode, 2, 24, 32, 2, 128, 600, positions, topk=3, block_sizes=_TWO_WGS)
   assert (got[0, 16:] == 0).all() and (got[1, 11:] == 0).all()
+
+
+@pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")
+@pytest.mark.parametrize("ping_pong", ["shared", "every", "off"])
+def test_sparse_two_compute_warpgroups_ping_pong_modes_gpu(ping_pong):
+  """Each ping-pong policy of the warp-specialized kernel on a longer walk (compiled on an sm90 GPU; the
+  interpreter always runs without the ping-pong, see kernel_sm90_ws.py): 4 tiles whose two warpgroups'
+  unions overlap only partly, so entries used by one warpgroup, by both, and by neither (padding) occur."""
+  pos = np.full((1, 32), -1, np.int32)
+  pos[0, :30] = np.concatenate([np.arange(1000, 1012), np.arange(200, 206), np.arange(1500, 1512)])
+  blocks = dataclasses.replace(_TWO_WGS, ping_pong=ping_pong)
+  got = _sparse_case("gpu", 1, 32, 32, 2, 128, 1600, jnp.asarray(pos), topk=4, block_sizes=blocks)
+  assert (got[0, 30:] == 0).all()
 
 
 @pytest.mark.parametrize("mode", MODES)
