@@ -26,9 +26,11 @@ class SparseAttentionBlockSizes:
     owning queries_per_tile / 2 queries (64 wgmma rows), which skip the blocks none of their queries
     use. Two warpgroups double the wgmma rows fed by each K/V load. Prefill only (num_splits == 1).
   ping_pong: how the two compute warpgroups of compute_wgs=2 take turns on the tensor cores
-    (FlashAttention-3's schedule barrier): "shared" = only on list entries both warpgroups use (an entry
-    only one of them uses runs unpaired, the other moves on); "every" = on every entry (a warpgroup that
-    skips an entry still waits for its partner's turn); "off" = never. Results do not depend on it.
+    (FlashAttention-3's schedule barrier): "every" = a rendezvous on every list entry (a warpgroup that
+    skips an entry still takes its turns); "off" = never. Results do not depend on it. Pairing only on
+    the entries both warpgroups use deadlocks (measured on the H200): the warpgroup ahead waits at its
+    next shared entry for a K/V load whose pipeline slot the warpgroup behind still holds while it waits
+    at the rendezvous, whenever two shared entries are >= kv_stages apart.
   """
 
   queries_per_tile: int = 4
@@ -36,7 +38,7 @@ class SparseAttentionBlockSizes:
   num_splits: int = 1
   p_in_smem: bool | None = None
   compute_wgs: int = 1
-  ping_pong: str = "shared"
+  ping_pong: str = "every"
 
   def __post_init__(self):
     if self.queries_per_tile < 1:
@@ -47,8 +49,8 @@ class SparseAttentionBlockSizes:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
     if self.compute_wgs not in (1, 2):
       raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs}")
-    if self.ping_pong not in ("shared", "every", "off"):
-      raise ValueError(f"ping_pong must be 'shared', 'every' or 'off', got {self.ping_pong!r}")
+    if self.ping_pong not in ("every", "off"):
+      raise ValueError(f"ping_pong must be 'every' or 'off', got {self.ping_pong!r}")
     if self.compute_wgs == 2 and (self.num_splits != 1 or self.queries_per_tile % 2):
       raise ValueError(f"compute_wgs=2 needs num_splits=1 and an even queries_per_tile, got {self}")
 

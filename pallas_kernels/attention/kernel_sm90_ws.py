@@ -48,9 +48,8 @@ def _ws_attention_kernel(
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
   bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
-  ping-pong: one's softmax overlaps the other's wgmma). ping_pong (SparseAttentionBlockSizes.ping_pong) says
-  on which list entries they pair up; both warpgroups see the same user masks, so they always make the
-  same number of rendezvous.
+  ping-pong: one's softmax overlaps the other's wgmma) when ping_pong == "every" (see
+  SparseAttentionBlockSizes.ping_pong); "off" lets them run unpaired.
   """
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
@@ -66,12 +65,10 @@ def _ws_attention_kernel(
     plgpu.barrier_arrive(schedule_barrier)
     plgpu.barrier_wait(schedule_barrier)
 
-  def schedule(paired):
-    """One turn of the ping-pong; paired: Python bool or a traced bool, equal in both warpgroups."""
-    if paired is True:
+  def schedule(paired: bool):
+    """One turn of the ping-pong (paired: the ping_pong policy is on)."""
+    if paired:
       rendezvous()
-    elif paired is not False:
-      pl.when(paired)(rendezvous)
 
   def compute_context(run_pipeline):
     my_q = qo_smem.at[wg]
@@ -171,12 +168,7 @@ def _ws_attention_kernel(
     mine = lax.shift_right_logical(users, wg * queries_per_wg) & my_mask
     full = (mine == my_mask) & ((block + 1) * KEY_BLOCK - 1 <= wg_min_limit)
     branch = jnp.where(mine == 0, 0, jnp.where(full, 1, 2))
-    if ping_pong == "shared":  # pair up only when every compute warpgroup uses the entry
-      paired = True
-      for other in range(compute_wgs):
-        paired = paired & ((lax.shift_right_logical(users, other * queries_per_wg) & my_mask) != 0)
-    else:
-      paired = ping_pong == "every"
+    paired = ping_pong == "every"
     args = (paired, block, users, k_smem, v_smem, k_consumed, v_consumed)
     return lax.switch(
         branch,

@@ -125,7 +125,7 @@ def test_sparse_two_compute_warpgroups(mode):
 
 
 @pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")
-@pytest.mark.parametrize("ping_pong", ["shared", "every", "off"])
+@pytest.mark.parametrize("ping_pong", ["every", "off"])
 def test_sparse_two_compute_warpgroups_ping_pong_modes_gpu(ping_pong):
   """Each ping-pong policy of the warp-specialized kernel on a longer walk (compiled on an sm90 GPU; the
   interpreter always runs without the ping-pong, see kernel_sm90_ws.py): 4 tiles whose two warpgroups'
