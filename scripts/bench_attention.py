@@ -178,7 +178,7 @@ def dense_prefill(s, with_ref):
     ref, ms, how = gpu_ms(fn, q, k, v, pos, iters=1 if s > 40000 else 3)
     record("dense_prefill", S=s, variant="xla_reference", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
            timer=how)
-  ws = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)
+  ws = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="every")
   for name, kw in (("cudnn (causal_attention)", dict(use_cudnn=None)),
                    ("pallas dense plan", dict(use_cudnn=False)),
                    ("pallas dense plan, 2 compute WGs", dict(use_cudnn=False, block_sizes=ws)),
@@ -285,9 +285,10 @@ def main():
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
   variants = [  # the first is the prefill default (heuristic_block_sizes)
-      ("Q=8 2 compute WGs stages=2", SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2)),
-      ("Q=8 2 WGs, no ping-pong",
+      ("Q=8 2 compute WGs stages=2, no ping-pong",
        SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")),
+      ("Q=8 2 WGs, ping-pong on every entry",
+       SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="every")),
       ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
       ("Q=4 stages=2", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=2)),
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),

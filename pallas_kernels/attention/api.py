@@ -86,11 +86,16 @@ def _merge_splits(o: jax.Array, lse: jax.Array | None) -> jax.Array:
 
 
 def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes, check_users, interpret):
-  """Pads queries to whole tiles and keys to whole blocks, runs the kernel, merges splits, unpads."""
+  """Pads queries to whole tiles and keys to whole blocks, runs the kernel, merges splits, unpads.
+
+  check_users: the plan is sparse (rows are masked by their query's bit of each entry's user mask).
+  """
   b, sq, nq, d = q.shape
   hpg = nq // k.shape[2]
   if block_sizes is None:
-    block_sizes = heuristic_block_sizes(b, sq, k.shape[2], hpg, list_len, warp_specialized=not interpret)
+    block_sizes = heuristic_block_sizes(
+        b, sq, k.shape[2], hpg, list_len, warp_specialized=not interpret, sparse=check_users
+    )
   block_sizes = _fit_block_sizes(block_sizes, hpg, d)
   sq_pad = padded_query_count(sq, block_sizes.queries_per_tile)
   q = jnp.pad(q, [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])

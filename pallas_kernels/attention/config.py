@@ -65,12 +65,16 @@ class SparseAttentionBlockSizes:
 
 def heuristic_block_sizes(
     batch: int, num_queries: int, num_kv_heads: int, heads_per_group: int, list_len: int, *,
-    num_sms: int = 132, warp_specialized: bool = True,
+    num_sms: int = 132, warp_specialized: bool = True, sparse: bool = True,
 ) -> SparseAttentionBlockSizes:
   """Prefill (at least one CTA per SM): the warp-specialized kernel, two compute warpgroups of
   64 // heads_per_group queries each (8-query tiles for M3), 2 stages. Measured on the H200 at 32K (M3
   dims): dense causal plan 589 vs 448 TFLOP/s for the one-warpgroup kernel; sparse with correlated
   selections 8.3 vs 8.8 ms; with uncorrelated selections 14.1 vs 13.4 ms (both bound by K/V loads).
+  The ping-pong (ping_pong="every") helps the dense plan, whose two warpgroups use nearly every block
+  (574.9 vs 557.9 TFLOP/s without), and hurts sparse lists, where a warpgroup that skips an entry would
+  wait for its partner's turns: sparse plans (sparse=True) run without it (32K: 12.87 vs 14.09 ms on
+  uncorrelated selections, 7.86 vs 8.25 ms on correlated ones; 128K: 71.5 vs 76.9 and 38.7 vs 40.4).
 
   Decode / short query counts: one warpgroup, up to 4 queries per tile, the block list split so that
   about two CTAs per SM are launched (every split streams distinct K/V blocks: the op is bandwidth-bound
@@ -82,7 +86,9 @@ def heuristic_block_sizes(
   """
   per_wg = max(1, ROWS_PER_TILE // heads_per_group)
   if warp_specialized and num_queries >= 2 * per_wg and batch * num_kv_heads * -(-num_queries // (2 * per_wg)) >= num_sms:
-    return SparseAttentionBlockSizes(queries_per_tile=2 * per_wg, kv_stages=2, compute_wgs=2)
+    return SparseAttentionBlockSizes(
+        queries_per_tile=2 * per_wg, kv_stages=2, compute_wgs=2, ping_pong="off" if sparse else "every"
+    )
   per_tile = max(1, min(4, per_wg, num_queries))
   ctas = batch * num_kv_heads * -(-num_queries // per_tile)
   if ctas >= num_sms:

@@ -12,8 +12,10 @@ otherwise, as kernel_sm90.py:
   online softmax in base 2 (fp32), P cast to the input dtype, O = O * alpha + P . V_blk (wgmma, fp32)
 
 (the mask is skipped for blocks every query of the warpgroup uses and sees entirely) and writes O / l in
-the input dtype. The two compute warpgroups alternate on the tensor cores (a schedule barrier, as in
-FlashAttention-3) and release each K (V) buffer right after their Q.K (P.V) wgmma. No splits (prefill has enough tiles to fill the GPU).
+the input dtype. For dense plans the two compute warpgroups alternate on the tensor cores (a schedule
+barrier, as in FlashAttention-3: ping_pong="every"); sparse plans run them unpaired (ping_pong="off"),
+coupled only by the K/V pipeline. Each releases its K (V) buffer right after its Q.K (P.V) wgmma.
+No splits (prefill has enough tiles to fill the GPU).
 """
 
 from __future__ import annotations

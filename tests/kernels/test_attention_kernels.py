@@ -188,6 +188,8 @@ def test_heuristic_picks_the_warp_specialized_kernel_for_prefill_only():
 
   prefill = heuristic_block_sizes(1, 32768, 4, 16, 256)
   assert (prefill.compute_wgs, prefill.queries_per_tile, prefill.num_splits) == (2, 8, 1)
+  assert prefill.ping_pong == "off"  # sparse lists: warpgroups skip different entries
+  assert heuristic_block_sizes(1, 32768, 4, 16, 256, sparse=False).ping_pong == "every"  # dense plan
   decode = heuristic_block_sizes(64, 1, 4, 16, 16)
   assert (decode.compute_wgs, decode.queries_per_tile) == (1, 1)
   short = heuristic_block_sizes(1, 100, 4, 16, 16)  # 52 eight-query CTAs < 132 SMs: split lists instead
