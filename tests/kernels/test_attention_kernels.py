@@ -194,4 +194,38 @@ def test_heuristic_picks_the_warp_specialized_kernel_for_prefill_only():
   assert (decode.compute_wgs, decode.queries_per_tile) == (1, 1)
   short = heuristic_block_sizes(1, 100, 4, 16, 16)  # 52 eight-query CTAs < 132 SMs: split lists instead
   assert short.compute_wgs == 1 and short.num_splits > 1
+  one = heuristic_block_sizes(1, 1, 4, 16, 16)  # B = 1 decode: a 16-entry list split at most 16 ways
+  assert (one.queries_per_tile, one.num_splits) == (1, 16)
   assert heuristic_block_sizes(1, 32768, 4, 16, 256, warp_specialized=False).compute_wgs == 1
+
+
+@pytest.mark.parametrize("splits", [1, 5, 16, 24])
+def test_merge_splits_matches_a_log_sum_exp_merge(splits):
+  """The split merge (unrolled up to 16 splits, reductions beyond) against a float64 LSE merge, with
+  empty splits (lse = -inf) and one row whose splits are all empty (-> zeros)."""
+  from pallas_kernels.attention.api import _merge_splits
+
+  rng = np.random.default_rng(splits)
+  o = rng.standard_normal((splits, 2, 3, 4, 8)).astype(np.float32)
+  lse = (rng.standard_normal((splits, 2, 3, 4)) * 4).astype(np.float32)
+  lse[rng.random(lse.shape) < 0.3] = -np.inf
+  lse[:, 1, 2, 3] = -np.inf
+  got = np.asarray(_merge_splits(jnp.asarray(o), jnp.asarray(lse)))
+  w = np.exp2(lse.astype(np.float64) - np.where(np.isfinite(lse.max(0)), lse.max(0), 0.0))
+  want = (w[..., None] * o).sum(0) / np.where(w.sum(0) > 0, w.sum(0), 1.0)[..., None]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  assert (got[1, 2, 3] == 0).all()
+
+
+def test_decode_splits_never_exceed_the_block_list():
+  """B = 1 decode at 32K (4 KV groups, top-16): the kernel's partial outputs have 16 splits, one per
+  selected block (a 64-way split left 48 of every 64 CTAs with nothing to load; lowering only)."""
+  import re
+
+  q = jnp.zeros((1, 1, 64, 128), jnp.bfloat16)
+  k = jnp.zeros((1, 32768, 4, 128), jnp.bfloat16)
+  ids = jnp.zeros((1, 1, 4, 16), jnp.int32)
+  pos = jnp.full((1, 1), 32767, jnp.int32)
+  fn = jax.jit(lambda *a: sparse_attention(*a, block_size=128, scale=0.1, interpret=True))
+  text = fn.lower(q, k, k, ids, pos).as_text()
+  assert set(re.findall(r"tensor<(\d+)x1x1x64x128xbf16>", text)) == {"1", "16"}
