@@ -14,6 +14,9 @@ dict per layer, holding only what was asked for (all jit-compatible; nothing is 
                                                         layers: restricted to the selected blocks)
   dense_probs     sparse layers   fp32  [B, Nq, Q, Sk]  dense causal probabilities of the same queries
 Sk is the key length (the cache length when a cache is used).
+
+``selection_locality`` summarises recorded ``block_ids`` in the terms that bound the sparse attention
+kernel's prefill speed (BENCHMARKS.md, "Missing / not met (attention and indexer)").
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.attention.reference import selected_key_mask
 
@@ -75,3 +79,49 @@ def mass_outside_selection(intermediates, layer: int) -> jax.Array:
     raise ValueError(f"layer {layer} has no dense_probs: it is not sparse, or attention_queries was not collected")
   kept = rec["attn_probs"] > 0
   return 1.0 - jnp.sum(jnp.where(kept, rec["dense_probs"], 0.0), axis=-1)
+
+
+def selection_locality(block_ids, positions, tile_sizes: tuple[int, ...] = (4, 8)) -> dict[int, dict[str, float]]:
+  """How much the block selections of adjacent queries overlap, per kernel tile size.
+
+  The sparse attention prefill kernel gives each (tile of Q consecutive queries, KV group) one walk over
+  the union of the Q queries' selected blocks, and every union entry costs the wgmma work of all Q
+  queries (a warpgroup's 64 rows are 4 queries x 16 heads; the warp-specialized kernel streams an
+  8-query union to two such warpgroups). So the attended share of that work is
+  selected / (Q x union): with M3's top-16, 60 % of cuDNN's rate needs 4-query unions of <= ~24 blocks.
+
+  Args:
+    block_ids: int [B, S, G, T] selected blocks (-1 = empty slot), e.g. ``intermediates[l]["block_ids"]``.
+    positions: int [B, S] query positions (-1 = padding query, ignored).
+    tile_sizes: the Q values to report.
+
+  Returns:
+    {Q: {"mean_selected": selected blocks per (query, group), "mean_union": union length per (tile, group)
+    over tiles with a real query, "row_efficiency": selected / (Q x union) summed over all tiles}}.
+  """
+  ids = np.asarray(block_ids)
+  pos = np.asarray(positions)
+  if ids.ndim != 4 or pos.shape != ids.shape[:2]:
+    raise ValueError(f"block_ids must be [B, S, G, T] and positions [B, S]; got {ids.shape} and {pos.shape}")
+  ids = np.where(pos[:, :, None, None] >= 0, ids, -1)
+  b, s, g, t = ids.shape
+  out = {}
+  for q in tile_sizes:
+    if q < 1:
+      raise ValueError(f"tile sizes must be >= 1, got {tile_sizes}")
+    pad = -(-s // q) * q - s
+    tiles = np.pad(ids, [(0, 0), (0, pad), (0, 0), (0, 0)], constant_values=-1)
+    tiles = np.moveaxis(tiles.reshape(b, -1, q, g, t), 3, 2).reshape(b, -1, g, q * t)
+    srt = np.sort(tiles, axis=-1)
+    distinct = (srt >= 0) & np.concatenate([np.ones_like(srt[..., :1], bool), srt[..., 1:] != srt[..., :-1]], -1)
+    union = distinct.sum(-1)
+    selected = (tiles >= 0).sum(-1)
+    live = selected > 0
+    if not live.any():
+      raise ValueError("block_ids select no block for any real query")
+    out[q] = {
+        "mean_selected": float((ids >= 0).sum(-1)[pos >= 0].mean()),
+        "mean_union": float(union[live].mean()),
+        "row_efficiency": float(selected.sum() / (q * union.sum())),
+    }
+  return out

@@ -6,6 +6,14 @@ Every kernel result is checked against the pure-XLA reference in the same run be
 Times are GPU kernel time summed over all launches of one call (CUPTI via jax's Mosaic GPU profiler;
 launch gaps excluded), median of --iters calls; wall-clock (block_until_ready) if CUPTI is missing.
 Prints a markdown table last and writes it (plus a JSON of all rows) under --out.
+
+Sparse prefill on a trained model's selections (the prefill target depends on how much adjacent queries'
+selections overlap, which random index projections cannot show):
+
+  m3jax forward CKPT --prompt-file long.txt --selection-stats --save-selections sel.npz
+  PYTHONPATH=$PWD python scripts/bench_attention.py --out $OUT --selections sel.npz --sections dense --sizes S
+
+(S = the prompt length: the dense section gives cuDNN's rate at the same length.)
 """
 
 from __future__ import annotations
@@ -143,12 +151,36 @@ def attended_flops(ids, pos):
 
 @guarded
 def sparse_prefill(s, correlated, with_ref, variants):
-  q, k, v = qkv(1, s, s)
   idx_q, idx_k = index_inputs(1, s, correlated)
   pos = jnp.arange(s, dtype=jnp.int32)[None]
   ids = indexer_topk(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1, interpret=INTERPRET)
+  sparse_prefill_on(ids, "correlated" if correlated else "random", with_ref, variants)
+
+
+def load_selections(path):
+  """{name: int32 [1, S, NKV, T]} from an npz written by ``m3jax forward --save-selections`` (a prefill
+  from position 0, so query i is at position i)."""
+  data = np.load(path)
+  out = {}
+  for name in sorted(n for n in data.files if n.startswith("layer_")):
+    ids = data[name]
+    if ids.ndim != 4 or ids.shape[0] != 1 or ids.shape[2] != NKV or ids.shape[1] < 1:
+      raise ValueError(f"{path}: {name} has shape {ids.shape}; this benchmark needs [1, S, {NKV}, T] "
+                       f"(one sequence, M3's {NKV} KV groups)")
+    out[name] = jnp.asarray(ids, jnp.int32)
+  if not out:
+    raise ValueError(f"{path}: no layer_<i> arrays (write them with `m3jax forward --save-selections`)")
+  return out
+
+
+@guarded
+def sparse_prefill_on(ids, sel, with_ref, variants):
+  """Times sparse attention over the selection ids [1, S, NKV, T] (random q/k/v: the time depends only on
+  the selection and the shapes)."""
+  s = ids.shape[1]
+  q, k, v = qkv(1, s, s)
+  pos = jnp.arange(s, dtype=jnp.int32)[None]
   flops = attended_flops(ids, pos)
-  sel = "correlated" if correlated else "random"
   plan = sparse_plan(ids, pos, num_keys=s, queries_per_tile=4, heads_per_group=NQ // NKV)
   plan8 = sparse_plan(ids, pos, num_keys=s, queries_per_tile=8, heads_per_group=NQ // NKV, compute_wgs=2)
   record("sparse_union", S=s, selection=sel, mean_list_len_q4=float(plan.count.mean()),
@@ -277,10 +309,13 @@ def main():
   ap.add_argument("--decode", default="1x32768,8x32768,32x32768,64x32768,1x131072", help="BxS list")
   ap.add_argument("--interpret", action="store_true", help="CPU dry run (use tiny --sizes/--decode)")
   ap.add_argument("--sections", default="indexer,sparse,dense,decode")
+  ap.add_argument("--selections", default=None, metavar="F.npz",
+                  help="also time sparse prefill on saved selections (m3jax forward --save-selections)")
   args = ap.parse_args()
   global INTERPRET
   INTERPRET = args.interpret
   sizes = [int(x) for x in args.sizes.split(",") if x]
+  saved = load_selections(args.selections) if args.selections else {}  # bad files fail before any work
   print(jax.devices(), flush=True)
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
@@ -294,8 +329,8 @@ def main():
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),
       ("Q=1 stages=1", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=1)),
   ]
-  if INTERPRET:
-    variants = variants[:1]
+  if INTERPRET:  # the one-warpgroup kernel, as the heuristic picks when interpreting (see its docstring)
+    variants = [v for v in variants if v[1].compute_wgs == 1][:1]
   sections = set(args.sections.split(","))
   for s in sizes:
     with_ref = s <= 40000 or not args.quick
@@ -307,6 +342,8 @@ def main():
       sparse_prefill(s, True, False, few if args.quick or INTERPRET else variants[:3] + variants[4:])
     if "dense" in sections and (s <= 40000 or not args.quick):
       dense_prefill(s, s <= 40000)
+  for name, ids in saved.items():
+    sparse_prefill_on(ids, f"saved {name}", True, variants[:3])
   for case in filter(None, args.decode.split(",") if "decode" in sections else []):
     b, s = map(int, case.split("x"))
     decode(b, s, bw)

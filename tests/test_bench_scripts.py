@@ -61,6 +61,33 @@ def test_bench_attention_interpret(tmp_path):
   assert finite and rel < 1e-2
 
 
+def test_bench_attention_on_saved_selections(tmp_path):
+  """--selections: sparse prefill timed on selections saved by `m3jax forward --save-selections` (here a
+  hand-made 136-token file: queries in block 1 select blocks 1 and 0, the others only block 0)."""
+  import numpy as np
+
+  s = 136
+  ids = np.full((1, s, 4, 16), -1, np.int32)
+  ids[0, :, :, 0] = np.arange(s)[:, None] // 128
+  ids[0, 128:, :, 1] = 0
+  np.savez(tmp_path / "sel.npz", positions=np.arange(s, dtype=np.int32)[None], layer_3=ids)
+  run_script("scripts/bench_attention.py", "--interpret", "--sizes", "", "--sections", "", "--selections",
+             str(tmp_path / "sel.npz"), "--out", str(tmp_path))
+  rows = json.loads((tmp_path / "bench_attention.json").read_text())
+  assert not [r for r in rows if "error" in r]
+  (union,) = [r for r in rows if r["section"] == "sparse_union"]
+  assert union["selection"] == "saved layer_3" and abs(union["mean_list_len_q4"] - 36 / 34) < 1e-6
+  (timed,) = [r for r in rows if r["section"] == "sparse_prefill" and r["variant"] != "xla_reference"]
+  rel, finite = timed["rel_err"]
+  assert finite and rel < 1e-2
+  np.savez(tmp_path / "bad.npz", layer_3=ids[:, :, :2])
+  env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+  bad = subprocess.run([sys.executable, "scripts/bench_attention.py", "--interpret", "--sizes", "", "--sections", "",
+                        "--selections", str(tmp_path / "bad.npz")], cwd=REPO, capture_output=True, text=True,
+                       env=env, timeout=300, check=False)
+  assert bad.returncode != 0 and "layer_3 has shape (1, 136, 2, 16)" in bad.stderr
+
+
 def test_bench_sharding_smoke(tmp_path):
   out, moe = tmp_path / "trivial.json", tmp_path / "moe_cpu.json"
   run_script("scripts/bench_sharding.py", "trivial", "--smoke", "--repeats", "1", "--out", str(out))

@@ -75,3 +75,20 @@ def test_generate_with_images(capsys, demo_dir, tmp_path):
   assert "2 image(s): grids [[1, 4, 6], [1, 4, 4]]" in err  # 40x40 is upscaled to 56x56 (min_pixels) and "generated 3" in err
   assert cli.main(["generate", str(demo_dir), "--prompt", "x", "--image", str(tmp_path / "missing.png")]) == 2
   assert "missing.png" in capsys.readouterr().err
+
+
+def test_forward_reports_and_saves_selections(capsys, demo_dir, tmp_path):
+  prompt = tmp_path / "prompt.txt"
+  prompt.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+  saved = tmp_path / "sel.npz"
+  assert cli.main(["forward", str(demo_dir), "--prompt-file", str(prompt), "--selection-stats",
+                   "--save-selections", str(saved), "--kernels", "reference"]) == 0
+  out = capsys.readouterr().out
+  data = np.load(saved)
+  layers = sorted(n for n in data.files if n.startswith("layer_"))
+  assert layers and all(f"  {name}: selected " in out for name in layers)
+  length = data["positions"].shape[1]
+  assert f"{length} tokens" in out and length == len(load_tokenizer(demo_dir).encode(prompt.read_text()).ids)
+  assert all(data[name].shape[:2] == (1, length) and data[name].dtype == np.int32 for name in layers)
+  assert cli.main(["forward", str(demo_dir), "--prompt-file", str(prompt), "--prompt-ids", "1"]) == 2
+  assert "not both" in capsys.readouterr().err

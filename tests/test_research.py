@@ -72,3 +72,27 @@ def test_mass_outside_selection_is_zero_where_everything_is_selected(model):
     mass_outside_selection(out.intermediates, 0)
   with pytest.raises(ValueError, match="start < stop"):
     Collect(attention_queries=(5, 5))
+
+
+def test_selection_locality_counts_the_kernel_tiles():
+  from m3jax.research import selection_locality
+  from pallas_kernels.attention.plan import sparse_plan
+
+  # Two queries, one group, top-2: {0, 1} and {0, 2} -> one 2-query union of 3 blocks; 4 of 6 rows attended.
+  ids = np.array([[[[0, 1]], [[0, 2]]]], np.int32)
+  stats = selection_locality(ids, np.array([[300, 301]], np.int32), tile_sizes=(1, 2))
+  assert stats[1] == {"mean_selected": 2.0, "mean_union": 2.0, "row_efficiency": 1.0}
+  assert stats[2]["mean_union"] == 3.0 and stats[2]["row_efficiency"] == pytest.approx(4 / 6)
+  # Against the kernel's own plan (the union it walks) on indexer selections with padding queries.
+  rng = np.random.default_rng(0)
+  pos = np.where(np.arange(40) < 37, np.arange(1000, 1040), -1)[None].astype(np.int32)
+  scores = jnp.asarray(rng.standard_normal((1, 40, 3, 8)), jnp.float32)
+  ids = np.asarray(select_blocks_reference(scores, jnp.asarray(pos), block_size=128, topk=4, local_blocks=1))
+  plan = sparse_plan(jnp.asarray(ids), jnp.asarray(pos), num_keys=1040, queries_per_tile=4, heads_per_group=16)
+  count = np.asarray(plan.count)
+  stats = selection_locality(ids, pos)
+  assert stats[4]["mean_union"] == pytest.approx(count[count > 0].mean())
+  assert stats[4]["mean_selected"] == 4.0 and 0.25 < stats[4]["row_efficiency"] < 1.0
+  assert stats[8]["mean_union"] > stats[4]["mean_union"]
+  with pytest.raises(ValueError, match="block_ids must be"):
+    selection_locality(ids[0], pos)
