@@ -105,6 +105,7 @@ def selection_locality(block_ids, positions, tile_sizes: tuple[int, ...] = (4, 8
     raise ValueError(f"block_ids must be [B, S, G, T] and positions [B, S]; got {ids.shape} and {pos.shape}")
   ids = np.where(pos[:, :, None, None] >= 0, ids, -1)
   b, s, g, t = ids.shape
+  mean_selected = float((ids >= 0).sum(-1)[pos >= 0].mean())
   out = {}
   for q in tile_sizes:
     if q < 1:
@@ -120,7 +121,7 @@ def selection_locality(block_ids, positions, tile_sizes: tuple[int, ...] = (4, 8
     if not live.any():
       raise ValueError("block_ids select no block for any real query")
     out[q] = {
-        "mean_selected": float((ids >= 0).sum(-1)[pos >= 0].mean()),
+        "mean_selected": mean_selected,
         "mean_union": float(union[live].mean()),
         "row_efficiency": float(selected.sum() / (q * union.sum())),
     }

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, SparseAttentionBlockSizes
-from pallas_kernels.attention.config import heuristic_block_sizes
+from pallas_kernels.attention.config import heuristic_block_sizes, one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
@@ -169,9 +169,9 @@ def sparse_attention(
     return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
                        compute_wgs=wgs)
 
-  # Longest block list of a tile, for the heuristic's split count: a decode tile holds
-  # min(4, 64 // heads_per_group, Sq) queries (heuristic_block_sizes' rule), each with topk blocks.
-  queries_per_tile = block_sizes.queries_per_tile if block_sizes else min(4, max(1, ROWS_PER_TILE // hpg), sq)
+  # Longest block list of a tile, for the heuristic's split count (splits only run on the one-warpgroup
+  # kernel): its tiles' queries, topk blocks each.
+  queries_per_tile = block_sizes.queries_per_tile if block_sizes else one_warpgroup_queries_per_tile(hpg, sq)
   list_len = min(topk * queries_per_tile, -(-k.shape[1] // KEY_BLOCK))
   return _run_kernel(
       q, k, v, q_positions, make_plan, max(list_len, 1), scale=scale, block_sizes=block_sizes,

@@ -63,6 +63,12 @@ class SparseAttentionBlockSizes:
     return (rows + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * rows * 4 + p_tile + 4096
 
 
+def one_warpgroup_queries_per_tile(heads_per_group: int, num_queries: int) -> int:
+  """Queries per tile heuristic_block_sizes gives the one-warpgroup kernel (decode, short query counts):
+  up to 4, as many as fit one 64-row wgmma group, at most num_queries."""
+  return max(1, min(4, ROWS_PER_TILE // heads_per_group, num_queries))
+
+
 def heuristic_block_sizes(
     batch: int, num_queries: int, num_kv_heads: int, heads_per_group: int, list_len: int, *,
     num_sms: int = 132, warp_specialized: bool = True, sparse: bool = True,
@@ -89,7 +95,7 @@ def heuristic_block_sizes(
     return SparseAttentionBlockSizes(
         queries_per_tile=2 * per_wg, kv_stages=2, compute_wgs=2, ping_pong="off" if sparse else "every"
     )
-  per_tile = max(1, min(4, per_wg, num_queries))
+  per_tile = one_warpgroup_queries_per_tile(heads_per_group, num_queries)
   ctas = batch * num_kv_heads * -(-num_queries // per_tile)
   if ctas >= num_sms:
     return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=1, num_splits=1)

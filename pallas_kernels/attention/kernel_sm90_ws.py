@@ -63,14 +63,13 @@ def _ws_attention_kernel(
   users_list_ref = users_ref.at[batch, tile, group]
   my_mask = (1 << queries_per_wg) - 1
 
-  def rendezvous():
-    plgpu.barrier_arrive(schedule_barrier)
-    plgpu.barrier_wait(schedule_barrier)
+  paired = ping_pong == "every"
 
-  def schedule(paired: bool):
-    """One turn of the ping-pong (paired: the ping_pong policy is on)."""
+  def schedule():
+    """One turn of the ping-pong (nothing when the warpgroups run unpaired)."""
     if paired:
-      rendezvous()
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
 
   def compute_context(run_pipeline):
     my_q = qo_smem.at[wg]
@@ -90,11 +89,9 @@ def _ws_attention_kernel(
         row_vector(-jnp.inf),
         row_vector(0.0),
     )
-    if ping_pong != "off":
-      pl.when(wg == 1)(rendezvous)  # warpgroup 0 takes the tensor cores first
+    pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
     acc, _, l_i = run_pipeline(init)
-    if ping_pong != "off":
-      pl.when(wg == 0)(rendezvous)
+    pl.when(wg == 0)(schedule)
     empty = l_i == 0.0
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
@@ -104,20 +101,20 @@ def _ws_attention_kernel(
                               o_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
 
-  def skip(paired, k_consumed, v_consumed, carry):
+  def skip(k_consumed, v_consumed, carry):
     plgpu.barrier_arrive(k_consumed)
-    schedule(paired)
-    schedule(paired)
+    schedule()
+    schedule()
     plgpu.barrier_arrive(v_consumed)
     return carry
 
-  def attend(paired, block, users, k_smem, v_smem, k_consumed, v_consumed, carry, *, masked: bool):
+  def attend(block, users, k_smem, v_smem, k_consumed, v_consumed, carry, *, masked: bool):
     acc, m_i, l_i = carry
     my_q = qo_smem.at[wg]
 
     def qk_scope(acc_ref):
       plgpu.wgmma(acc_ref, my_q, k_smem.transpose((1, 0)))
-      schedule(paired)
+      schedule()
       return acc_ref[...]
 
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
@@ -142,7 +139,7 @@ def _ws_attention_kernel(
       p_smem.at[wg][...] = p16
       plgpu.commit_smem()
     a_operand = p16 if p_smem is None else p_smem.at[wg]
-    schedule(paired)
+    schedule()
     if acc_in_place:  # accumulate P.V into the rescaled O (no second accumulator)
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a_operand, v_smem))(plgpu.ACC.init(acc))
     else:  # GPU interpret mode has no pre-initialised accumulator: a fresh one, added in registers
@@ -170,12 +167,11 @@ def _ws_attention_kernel(
     mine = lax.shift_right_logical(users, wg * queries_per_wg) & my_mask
     full = (mine == my_mask) & ((block + 1) * KEY_BLOCK - 1 <= wg_min_limit)
     branch = jnp.where(mine == 0, 0, jnp.where(full, 1, 2))
-    paired = ping_pong == "every"
-    args = (paired, block, users, k_smem, v_smem, k_consumed, v_consumed)
+    args = (block, users, k_smem, v_smem, k_consumed, v_consumed)
     return lax.switch(
         branch,
         [
-            functools.partial(skip, paired, k_consumed, v_consumed),
+            functools.partial(skip, k_consumed, v_consumed),
             functools.partial(attend, *args, masked=False),
             functools.partial(attend, *args, masked=True),
         ],
