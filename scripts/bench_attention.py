@@ -115,6 +115,74 @@ def index_inputs(b, s, correlated=False, seed=0):
   return idx_q.astype(jnp.bfloat16), idx_k.astype(jnp.bfloat16)
 
 
+def window_shared_selections(s, replaced, *, window=64, groups=NKV, topk=TOPK, seed=0):
+  """int32 [1, s, groups, topk] selections of a prefill from position 0 (query i at position i) with a set
+  amount of overlap between neighbours, to map selection locality to kernel speed.
+
+  Each (``window``-query window, KV group) draws one selection: block 0, the window's own block and topk - 2
+  blocks from those in between; every query of the window then swaps ``replaced`` of those topk - 2 for blocks
+  of its own, drawn from the ones the window did not pick. replaced = 0: the window's queries select the same
+  blocks (4-query union = topk); replaced = topk - 2: they share only blocks 0 and their own. Queries that see
+  <= topk blocks select all of them. Unused slots are -1.
+  """
+  if BLOCK % window or not 0 <= replaced <= topk - 2:
+    raise ValueError(f"window must divide {BLOCK} and 0 <= replaced <= {topk - 2}; got {window}, {replaced}")
+  rng = np.random.default_rng(seed)
+  ids = np.full((-(-s // window) * window, groups, topk), -1, np.int32)
+  for w in range(len(ids) // window):
+    rows = slice(w * window, (w + 1) * window)
+    own = w * window // BLOCK
+    if own < topk:
+      ids[rows, :, :own + 1] = np.arange(own + 1)
+      continue
+    for g in range(groups):
+      free = rng.permutation(np.arange(1, own))
+      shared, others = free[:topk - 2], free[topk - 2:]
+      picked = np.broadcast_to(shared, (window, topk - 2)).copy()
+      n = min(replaced, len(others))
+      if n:
+        slots = np.argpartition(rng.random((window, topk - 2)), n - 1, axis=-1)[:, :n]
+        fresh = others[np.argpartition(rng.random((window, len(others))), n - 1, axis=-1)[:, :n]]
+        np.put_along_axis(picked, slots, fresh, axis=-1)
+      ids[rows, g, 0], ids[rows, g, 1], ids[rows, g, 2:] = 0, own, picked
+  return jnp.asarray(ids[None, :s])
+
+
+@guarded
+def locality_sweep(s, with_ref, default_variant):
+  """Sparse prefill on window_shared_selections for a range of overlaps: kernel rate against the 4- and
+  8-query unions (the XLA check on one of them)."""
+  for replaced in (0, 1, 2, 4, 7, TOPK - 2):
+    ids = window_shared_selections(s, replaced)
+    sparse_prefill_on(ids, f"window-shared, {replaced} private", with_ref and replaced == 2, [default_variant])
+
+
+@guarded
+def kv_major_floor(s):
+  """Memory floor of a KV-major sparse prefill ("KV outer, gather Q": each selected block is loaded once for
+  all the queries that picked it). That order leaves every (query, group, selected block) pair with a partial
+  output (16 heads x D, bf16 here; fp32 doubles it) and a log-sum-exp per head, written by the attention pass
+  and read back by a merge. Timed as two XLA passes that do only that traffic, no attention math (and no Q
+  gathers, another 4 KB read per pair): their sum is a lower bound on such a kernel's time at this length."""
+  hpg = NQ // NKV
+  q = jax.random.normal(jax.random.key(7), (s, NKV, hpg, D), jnp.bfloat16)
+  weights = jnp.linspace(0.5, 1.5, TOPK, dtype=jnp.float32)
+  write = jax.jit(lambda x: (x[:, :, None].astype(jnp.float32) * weights[:, None, None]).astype(jnp.bfloat16))
+  lse = jax.random.normal(jax.random.key(8), (s, NKV, TOPK, hpg), jnp.float32)
+
+  def merge(part, lse):
+    w = jax.nn.softmax(lse, axis=2)[..., None]
+    return jnp.sum(part.astype(jnp.float32) * w, axis=2).astype(jnp.bfloat16)
+
+  part, write_ms, how = gpu_ms(write, q, iters=3)
+  out, merge_ms, _ = gpu_ms(jax.jit(merge), part, lse, iters=3)
+  want = (q.astype(jnp.float32) * jnp.sum(jax.nn.softmax(lse, axis=2) * weights[:, None], axis=2)[..., None])
+  gb = part.size * 2 / 1e9
+  record("kv_major_floor", S=s, partial_GB=round(gb, 2), write_ms=round(write_ms, 3), merge_ms=round(merge_ms, 3),
+         write_GBs=round(gb / write_ms * 1e3, 1), merge_GBs=round((gb + lse.size * 4 / 1e9) / merge_ms * 1e3, 1),
+         floor_ms=round(write_ms + merge_ms, 3), rel_err=rel_err(out, want), timer=how)
+
+
 def qkv(b, sq, sk, seed=1):
   kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
   return (jax.random.normal(kq, (b, sq, NQ, D), jnp.bfloat16), jax.random.normal(kk, (b, sk, NKV, D), jnp.bfloat16),
@@ -183,6 +251,7 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
   flops = attended_flops(ids, pos)
   plan = sparse_plan(ids, pos, num_keys=s, queries_per_tile=4, heads_per_group=NQ // NKV)
   plan8 = sparse_plan(ids, pos, num_keys=s, queries_per_tile=8, heads_per_group=NQ // NKV, compute_wgs=2)
+  union_q4 = round(float(plan.count.mean()), 1)
   record("sparse_union", S=s, selection=sel, mean_list_len_q4=float(plan.count.mean()),
          mean_list_len_q8=float(plan8.count.mean()), mean_selected=float((np.asarray(ids) >= 0).sum(-1).mean()))
   ref = None
@@ -195,8 +264,8 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
     fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=SCALE, block_sizes=bs, interpret=INTERPRET))
     out, ms, how = gpu_ms(fn, q, k, v, ids, pos, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
-    record("sparse_prefill", S=s, selection=sel, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-           rel_err=err, timer=how)
+    record("sparse_prefill", S=s, selection=sel, union_q4=union_q4, variant=name, ms=round(ms, 3),
+           tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
 
 
 @guarded
@@ -292,10 +361,15 @@ def table() -> str:
       lines.append(f"| decode | B={r['B']} S={r['S']} | indexer+top16+sparse | {r['us']} us | "
                    f"{r['x_roofline']}x roofline ({r['roofline_us']} us); XLA ref {r['xla_reference_us']} us | "
                    f"rel_err={r['rel_err']} |")
+    elif r["section"] == "kv_major_floor":
+      lines.append(f"| kv_major_floor | S={r['S']} | {r['partial_GB']} GB of bf16 partials: write + merge | "
+                   f"{r['write_ms']} + {r['merge_ms']} = {r['floor_ms']} ms | {r['write_GBs']} / {r['merge_GBs']} GB/s | "
+                   f"{r['rel_err']} |")
     elif r["section"] in ("decode_kernels", "decode_check", "sparse_union"):
       continue
     else:
       case = f"S={r['S']}" + (f" {r['selection']}" if "selection" in r else "")
+      case += f" (4-query union {r['union_q4']})" if "union_q4" in r else ""
       check = r.get("rel_err") or r.get("set_match")
       lines.append(f"| {r['section']} | {case} | {r['variant']} | {r['ms']} ms | {r['tflops']} TFLOP/s | {check} |")
   return "\n".join(lines)
@@ -308,7 +382,9 @@ def main():
   ap.add_argument("--quick", action="store_true", help="fewer variants, no 128K XLA references")
   ap.add_argument("--decode", default="1x32768,8x32768,32x32768,64x32768,1x131072", help="BxS list")
   ap.add_argument("--interpret", action="store_true", help="CPU dry run (use tiny --sizes/--decode)")
-  ap.add_argument("--sections", default="indexer,sparse,dense,decode")
+  ap.add_argument("--sections", default="indexer,sparse,dense,decode",
+                  help="comma list of indexer, sparse, locality (sparse prefill against selection overlap), "
+                       "kvmajor (memory floor of a KV-major sparse prefill), dense, decode")
   ap.add_argument("--selections", default=None, metavar="F.npz",
                   help="also time sparse prefill on saved selections (m3jax forward --save-selections)")
   args = ap.parse_args()
@@ -340,6 +416,10 @@ def main():
       few = variants[:3] if args.quick else variants
       sparse_prefill(s, False, with_ref, variants[:3] if s > 40000 else few)
       sparse_prefill(s, True, False, few if args.quick or INTERPRET else variants[:3] + variants[4:])
+    if "locality" in sections:
+      locality_sweep(s, with_ref, variants[0])
+    if "kvmajor" in sections:
+      kv_major_floor(s)
     if "dense" in sections and (s <= 40000 or not args.quick):
       dense_prefill(s, s <= 40000)
   for name, ids in saved.items():

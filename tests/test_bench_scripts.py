@@ -51,7 +51,7 @@ def test_bench_moe_tiny(tmp_path):
 
 def test_bench_attention_interpret(tmp_path):
   run_script("scripts/bench_attention.py", "--interpret", "--quick", "--sizes", "256", "--sections",
-             "indexer,decode", "--decode", "1x256", "--out", str(tmp_path))
+             "indexer,decode,kvmajor", "--decode", "1x256", "--out", str(tmp_path))
   rows = json.loads((tmp_path / "bench_attention.json").read_text())
   assert not [r for r in rows if "error" in r]
   indexer = [r for r in rows if r["section"] == "indexer_prefill" and r["variant"] != "xla_reference"]
@@ -59,6 +59,10 @@ def test_bench_attention_interpret(tmp_path):
   (decode,) = [r for r in rows if r["section"] == "decode"]
   rel, finite = decode["rel_err"]
   assert finite and rel < 1e-2
+  (floor,) = [r for r in rows if r["section"] == "kv_major_floor"]
+  assert floor["partial_GB"] == round(256 * 4 * 16 * 16 * 128 * 2 / 1e9, 2) and floor["floor_ms"] > 0
+  rel, finite = floor["rel_err"]
+  assert finite and rel < 1e-2  # the merge is a real LSE-weighted sum of the written partials
 
 
 def test_bench_attention_on_saved_selections(tmp_path):
@@ -105,3 +109,47 @@ def test_bench_full_smoke(tmp_path):
              "--out", str(out), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   r = json.loads(out.read_text())
   assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
+
+
+def _bench_attention_module():
+  import importlib.util
+
+  sys.path.insert(0, str(REPO))
+  spec = importlib.util.spec_from_file_location("bench_attention", REPO / "scripts" / "bench_attention.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_window_shared_selections_control_the_overlap():
+  """The locality sweep's selections: causal, distinct, block 0 and the own block always in, two queries
+  of a 64-query window share >= topk - 2 x replaced blocks (all of them when replaced = 0), and the 4-query
+  union grows with `replaced`."""
+  import numpy as np
+  import pytest
+
+  bench = _bench_attention_module()
+  s, topk = 16384, bench.TOPK
+  unions = []
+  for replaced in (0, 3, topk - 2):
+    ids = np.asarray(bench.window_shared_selections(s, replaced))
+    assert ids.shape == (1, s, bench.NKV, topk) and ids.dtype == np.int32
+    own = np.arange(s) // bench.BLOCK
+    assert (ids[0] <= own[:, None, None]).all()  # causal
+    real = ids[0] >= 0
+    assert (real.sum(-1) == np.minimum(own + 1, topk)[:, None]).all()  # nothing dropped, nothing extra
+    srt = np.sort(np.where(real, ids[0], -1 - np.arange(topk)), -1)
+    assert (np.diff(srt, axis=-1) != 0).all()  # distinct blocks
+    late = ids[0, topk * bench.BLOCK:]  # queries that see more than topk blocks
+    assert (late[..., 0] == 0).all() and (late[..., 1] == own[topk * bench.BLOCK:, None]).all()
+    windows = late.reshape(-1, 64, bench.NKV, topk)
+    for w in windows[::7]:
+      for g in range(bench.NKV):
+        sets = [set(q) for q in w[:, g]]
+        overlap = min(len(sets[0] & x) for x in sets[1:])  # both swapped <= replaced of the shared draw
+        assert overlap >= topk - 2 * replaced and (replaced > 0 or overlap == topk)
+    unions.append(np.mean([len(set(late[i:i + 4, g].ravel())) for i in range(0, len(late), 4)
+                           for g in range(bench.NKV)]))
+  assert unions[0] == topk and unions[0] < unions[1] < unions[2]
+  with pytest.raises(ValueError, match="replaced"):
+    bench.window_shared_selections(s, topk - 1)
