@@ -88,7 +88,9 @@ def selection_locality(block_ids, positions, tile_sizes: tuple[int, ...] = (4, 8
   the union of the Q queries' selected blocks, and every union entry costs the wgmma work of all Q
   queries (a warpgroup's 64 rows are 4 queries x 16 heads; the warp-specialized kernel streams an
   8-query union to two such warpgroups). So the attended share of that work is
-  selected / (Q x union): with M3's top-16, 60 % of cuDNN's rate needs 4-query unions of <= ~24 blocks.
+  selected / (Q x union). With M3's top-16 the H200 passes 60 % of cuDNN's dense-causal rate when the
+  mean 4-query union is <= ~21 blocks at 32K tokens (~23 at 128K): BENCHMARKS.md, "Sparse prefill
+  against selection locality".
 
   Args:
     block_ids: int [B, S, G, T] selected blocks (-1 = empty slot), e.g. ``intermediates[l]["block_ids"]``.
