@@ -58,8 +58,7 @@ def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> 
   qpt = max(wgs, min(bs.queries_per_tile, wgs * (ROWS_PER_TILE // hpg)) // wgs * wgs)
   stages = bs.kv_stages
   while stages > 1 and SparseAttentionBlockSizes(
-      kv_stages=stages, p_in_smem=bs.p_in_smem, compute_wgs=wgs, queries_per_tile=qpt,
-      ping_pong=bs.ping_pong).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
+      kv_stages=stages, p_in_smem=bs.p_in_smem, compute_wgs=wgs, queries_per_tile=qpt).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
     stages -= 1
   return SparseAttentionBlockSizes(
       queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem, compute_wgs=wgs,
@@ -117,7 +116,7 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
   plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs)
   kp, vp = _pad_keys(k, v)
-  launch = ws_attention_pallas if block_sizes.compute_wgs > 1 else attention_pallas
+  launch = ws_attention_pallas if block_sizes.compute_wgs == 2 else attention_pallas
   o, lse = launch(
       q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
       check_users=check_users, p_in_smem=block_sizes.p_in_smem,

@@ -21,11 +21,10 @@ class SparseAttentionBlockSizes:
     merged with their log-sum-exp outside the kernel.
   p_in_smem: stage P through shared memory for the P.V wgmma instead of keeping it in registers
     (None: only in interpret mode, which requires it).
-  compute_wgs: 1 = one warpgroup per CTA loads and computes (kernel_sm90.py); 2 or 3 = warp-specialized
-    (kernel_sm90_ws.py): a TMA warpgroup streams the tile's block list to W compute warpgroups, each
-    owning queries_per_tile / W queries (64 wgmma rows), which skip the blocks none of their queries
-    use. W warpgroups multiply the wgmma rows fed by each K/V load by W. Prefill only (num_splits == 1).
-    3 leaves each compute thread 160 registers (2: 232) and runs unpaired (ping_pong="off").
+  compute_wgs: 1 = one warpgroup per CTA loads and computes (kernel_sm90.py); 2 = warp-specialized
+    (kernel_sm90_ws.py): a TMA warpgroup streams the tile's block list to two compute warpgroups, each
+    owning queries_per_tile / 2 queries (64 wgmma rows), which skip the blocks none of their queries
+    use. Two warpgroups double the wgmma rows fed by each K/V load. Prefill only (num_splits == 1).
   ping_pong: how the two compute warpgroups of compute_wgs=2 take turns on the tensor cores
     (FlashAttention-3's schedule barrier): "every" = a rendezvous on every list entry (a warpgroup that
     skips an entry still takes its turns); "off" = never. Results do not depend on it. Pairing only on
@@ -48,15 +47,12 @@ class SparseAttentionBlockSizes:
       raise ValueError(f"kv_stages must be in [1, 8], got {self.kv_stages}")
     if self.num_splits < 1:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
-    if self.compute_wgs not in (1, 2, 3):
-      raise ValueError(f"compute_wgs must be 1, 2 or 3, got {self.compute_wgs}")
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2, got {self.compute_wgs}")
     if self.ping_pong not in ("every", "off"):
       raise ValueError(f"ping_pong must be 'every' or 'off', got {self.ping_pong!r}")
-    if self.compute_wgs > 1 and (self.num_splits != 1 or self.queries_per_tile % self.compute_wgs):
-      raise ValueError(f"compute_wgs={self.compute_wgs} needs num_splits=1 and queries_per_tile a multiple of "
-                       f"it, got {self}")
-    if self.compute_wgs == 3 and self.ping_pong != "off":
-      raise ValueError(f"the ping-pong pairs two warpgroups: compute_wgs=3 needs ping_pong='off', got {self}")
+    if self.compute_wgs == 2 and (self.num_splits != 1 or self.queries_per_tile % 2):
+      raise ValueError(f"compute_wgs=2 needs num_splits=1 and an even queries_per_tile, got {self}")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """Query/output tiles + K and V stages + per-row vectors (+ the P tiles when staged in smem)."""

@@ -1,9 +1,9 @@
 """Warp-specialized block-list GQA flash attention for Hopper (Pallas Mosaic GPU, prefill).
 
-One CTA owns (query tile, KV group g) with W + 1 warpgroups (W = 2 or 3 compute warpgroups). The last
-one only streams the tile's block list (plan.py) through a TMA pipeline of K and V blocks; the compute
-warpgroups each own 1 / W of the tile's queries (64 wgmma rows: 4 queries x 16 heads for M3), so every
-K/V block load feeds 64 W rows, W times the arithmetic per loaded byte of kernel_sm90.py. Per list entry, a compute
+One CTA owns (query tile, KV group g) with three warpgroups. The last one only streams the tile's
+block list (plan.py) through a TMA pipeline of K and V blocks; the two compute warpgroups each own
+half of the tile's queries (64 wgmma rows: 4 queries x 16 heads for M3), so every K/V block load
+feeds 128 rows, twice the arithmetic per loaded byte of kernel_sm90.py. Per list entry, a compute
 warpgroup whose queries all skipped the block (its bits of the entry's user mask are 0) does nothing;
 otherwise, as kernel_sm90.py:
 
@@ -12,7 +12,7 @@ otherwise, as kernel_sm90.py:
   online softmax in base 2 (fp32), P cast to the input dtype, O = O * alpha + P . V_blk (wgmma, fp32)
 
 (the mask is skipped for blocks every query of the warpgroup uses and sees entirely) and writes O / l in
-the input dtype. For dense plans two compute warpgroups alternate on the tensor cores (a schedule
+the input dtype. For dense plans the two compute warpgroups alternate on the tensor cores (a schedule
 barrier, as in FlashAttention-3: ping_pong="every"); sparse plans run them unpaired (ping_pong="off"),
 coupled only by the K/V pipeline. Each releases its K (V) buffer right after its Q.K (P.V) wgmma.
 No splits (prefill has enough tiles to fill the GPU).
@@ -33,9 +33,7 @@ from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SparseAtte
 from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, row_vector, smem_transforms
 from pallas_kernels.attention.plan import TilePlan
 
-# Registers per thread of the TMA warpgroup; the compute warpgroups share the rest of the 64K file:
-# 2 -> (512 - 40) / 2 = 232 each (236 rounded down to 8), 3 -> (512 - 32) / 3 = 160 (FlashAttention-3's split).
-_MEMORY_REGISTERS = {2: 40, 3: 32}
+_MEMORY_REGISTERS = 40
 
 
 def _ws_attention_kernel(
@@ -188,7 +186,7 @@ def _ws_attention_kernel(
   pipeline = plgpu.emit_pipeline_warp_specialized(
       body,
       grid=(count_ref[batch, tile, group],),
-      memory_registers=_MEMORY_REGISTERS[compute_wgs],
+      memory_registers=_MEMORY_REGISTERS,
       in_specs=[kv_spec(), kv_spec()],
       max_concurrent_steps=stages,
       wg_axis="wg",
@@ -211,7 +209,7 @@ def ws_attention_pallas(
     p_in_smem: bool | None = None,
     interpret: Any = False,
 ) -> tuple[jax.Array, None]:
-  """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2 or 3).
+  """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2).
 
   Args:
     q: [B, Sq_pad, Nq, D] with Sq_pad % queries_per_tile == 0; k, v: [B, Sk_pad, Nkv, D], Sk_pad % 128 == 0.
@@ -229,7 +227,7 @@ def ws_attention_pallas(
   qpt = block_sizes.queries_per_tile
   qpw = qpt // wgs
   p_in_smem = bool(p_in_smem) or bool(interpret)
-  if (wgs not in (2, 3) or block_sizes.num_splits != 1 or qpt % wgs or sq_pad % qpt or qpw * hpg > ROWS_PER_TILE
+  if (wgs != 2 or block_sizes.num_splits != 1 or qpt % wgs or sq_pad % qpt or qpw * hpg > ROWS_PER_TILE
       or k.shape[1] % KEY_BLOCK or plan.row_limit.shape[-1] != wgs * ROWS_PER_TILE):
     raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {block_sizes=}, {plan.row_limit.shape=}")
   kernel = functools.partial(

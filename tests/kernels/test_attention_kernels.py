@@ -19,7 +19,6 @@ from pallas_kernels.attention import (
     SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
-from pallas_kernels.attention.config import SMEM_LIMIT_BYTES
 from pallas_kernels.indexer import indexer_topk_reference
 import kernel_modes
 
@@ -123,29 +122,6 @@ def test_sparse_two_compute_warpgroups(mode):
   positions = jnp.asarray(pos)
   got = _sparse_case(mode, 2, 24, 32, 2, 128, 600, positions, topk=3, block_sizes=_TWO_WGS)
   assert (got[0, 16:] == 0).all() and (got[1, 11:] == 0).all()
-
-
-_THREE_WGS = SparseAttentionBlockSizes(queries_per_tile=12, kv_stages=2, compute_wgs=3, ping_pong="off")
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_sparse_three_compute_warpgroups(mode):
-  """Warp-specialized kernel with three compute warpgroups (12-query tiles, 4 queries each): in tile 0
-  each warpgroup's queries sit in a different part of the sequence, so most union entries are used by
-  one warpgroup only; tile 1 ends in padding queries (10 real of 12)."""
-  pos = np.full((1, 24), -1, np.int32)
-  pos[0, :12] = [300, 301, 302, 303, 124, 125, 126, 127, 700, 701, 702, 703]
-  pos[0, 12:22] = np.arange(500, 510) * 2
-  got = _sparse_case(mode, 1, 24, 32, 2, 128, 1100, jnp.asarray(pos), topk=3, block_sizes=_THREE_WGS)
-  assert (got[0, 22:] == 0).all()
-
-
-def test_three_compute_warpgroups_need_no_ping_pong_and_whole_tiles():
-  with pytest.raises(ValueError, match="ping_pong='off'"):
-    SparseAttentionBlockSizes(queries_per_tile=12, compute_wgs=3)
-  with pytest.raises(ValueError, match="multiple"):
-    SparseAttentionBlockSizes(queries_per_tile=8, compute_wgs=3, ping_pong="off")
-  assert _THREE_WGS.smem_bytes(128) <= SMEM_LIMIT_BYTES
 
 
 @pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")
