@@ -13,7 +13,10 @@ selections overlap, which random index projections cannot show):
   m3jax forward CKPT --prompt-file long.txt --selection-stats --save-selections sel.npz
   PYTHONPATH=$PWD python scripts/bench_attention.py --out $OUT --selections sel.npz --sections dense --sizes S
 
-(S = the prompt length: the dense section gives cuDNN's rate at the same length.)
+(S = the prompt length: the dense section gives cuDNN's rate at the same length.) Without a trained model,
+`--sections locality,dense` maps selection overlap to kernel speed on synthetic selections with a set number
+of per-query blocks (window_shared_selections), and `--sections kvmajor` times the memory floor of the other
+loop order (BENCHMARKS.md, "Sparse prefill against selection locality").
 """
 
 from __future__ import annotations
@@ -251,8 +254,9 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
   flops = attended_flops(ids, pos)
   plan = sparse_plan(ids, pos, num_keys=s, queries_per_tile=4, heads_per_group=NQ // NKV)
   plan8 = sparse_plan(ids, pos, num_keys=s, queries_per_tile=8, heads_per_group=NQ // NKV, compute_wgs=2)
-  union_q4 = round(float(plan.count.mean()), 1)
-  record("sparse_union", S=s, selection=sel, mean_list_len_q4=float(plan.count.mean()),
+  mean_q4 = float(plan.count.mean())
+  union_q4 = round(mean_q4, 1)
+  record("sparse_union", S=s, selection=sel, mean_list_len_q4=mean_q4,
          mean_list_len_q8=float(plan8.count.mean()), mean_selected=float((np.asarray(ids) >= 0).sum(-1).mean()))
   ref = None
   if with_ref:
