@@ -153,3 +153,27 @@ def test_window_shared_selections_control_the_overlap():
   assert unions[0] == topk and unions[0] < unions[1] < unions[2]
   with pytest.raises(ValueError, match="replaced"):
     bench.window_shared_selections(s, topk - 1)
+
+
+def test_estimate_tile_regrouping_finds_the_better_grouping():
+  """Queries alternate between two disjoint block sets: consecutive groups of 4 hold both (union 4),
+  and every regrouping strategy separates them (union 2). The script's CLI runs on a small prefill."""
+  import importlib.util
+
+  import numpy as np
+
+  sys.path.insert(0, str(REPO / "scripts"))
+  spec = importlib.util.spec_from_file_location("estimate_tile_regrouping",
+                                                REPO / "scripts" / "estimate_tile_regrouping.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  ids = np.full((64, 1, 16), -1, np.int32)
+  ids[0::2, 0, :2] = [0, 1]
+  ids[1::2, 0, :2] = [2, 3]
+  got = module.estimate(ids, num_blocks=4)
+  assert got == {"consecutive": 4.0, "best_split_of_8": 2.0, "greedy_64_window": 2.0, "minhash_sort_64_window": 2.0}
+  out = run_script("scripts/estimate_tile_regrouping.py", "--size", "2048", "--queries", "128")
+  rows = [json.loads(line) for line in out.splitlines()]
+  assert [r["selection"] for r in rows][:2] == ["random indexer", "correlated indexer"] and len(rows) == 5
+  for r in rows:
+    assert r["best_split_of_8"] <= r["consecutive"] and r["greedy_64_window"] <= r["consecutive"] + 1e-9
