@@ -16,7 +16,7 @@ dict per layer, holding only what was asked for (all jit-compatible; nothing is 
 Sk is the key length (the cache length when a cache is used).
 
 ``selection_locality`` summarises recorded ``block_ids`` in the terms that bound the sparse attention
-kernel's prefill speed (BENCHMARKS.md, "Missing / not met (attention and indexer)").
+kernel's prefill speed (BENCHMARKS.md, "Sparse prefill against selection locality").
 """
 
 from __future__ import annotations

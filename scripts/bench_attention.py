@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m3jax.research import selection_locality
 from pallas_kernels.attention import (
     SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
-from pallas_kernels.attention.plan import sparse_plan
 from pallas_kernels.indexer import IndexerBlockSizes, index_block_scores_reference, indexer_topk
 from pallas_kernels.indexer import indexer_topk_reference
 from pallas_kernels.indexer.api import select_blocks_sorted
@@ -252,12 +252,10 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
   q, k, v = qkv(1, s, s)
   pos = jnp.arange(s, dtype=jnp.int32)[None]
   flops = attended_flops(ids, pos)
-  plan = sparse_plan(ids, pos, num_keys=s, queries_per_tile=4, heads_per_group=NQ // NKV)
-  plan8 = sparse_plan(ids, pos, num_keys=s, queries_per_tile=8, heads_per_group=NQ // NKV, compute_wgs=2)
-  mean_q4 = float(plan.count.mean())
-  union_q4 = round(mean_q4, 1)
-  record("sparse_union", S=s, selection=sel, mean_list_len_q4=mean_q4,
-         mean_list_len_q8=float(plan8.count.mean()), mean_selected=float((np.asarray(ids) >= 0).sum(-1).mean()))
+  locality = selection_locality(ids, pos)  # the statistics `m3jax forward --selection-stats` prints
+  union_q4 = round(locality[4]["mean_union"], 1)
+  record("sparse_union", S=s, selection=sel, mean_list_len_q4=locality[4]["mean_union"],
+         mean_list_len_q8=locality[8]["mean_union"], mean_selected=locality[4]["mean_selected"])
   ref = None
   if with_ref:
     fn = jax.jit(functools.partial(sparse_attention_reference, block_size=BLOCK, scale=SCALE))
