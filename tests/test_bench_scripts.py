@@ -111,11 +111,14 @@ def test_bench_full_smoke(tmp_path):
   assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
 
 
-def _bench_attention_module():
+def _load_script(name: str):
+  """scripts/<name>.py as a module (the repo root and scripts/ on sys.path for its imports)."""
   import importlib.util
 
-  sys.path.insert(0, str(REPO))
-  spec = importlib.util.spec_from_file_location("bench_attention", REPO / "scripts" / "bench_attention.py")
+  for path in (REPO, REPO / "scripts"):
+    if str(path) not in sys.path:
+      sys.path.insert(0, str(path))
+  spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -128,7 +131,7 @@ def test_window_shared_selections_control_the_overlap():
   import numpy as np
   import pytest
 
-  bench = _bench_attention_module()
+  bench = _load_script("bench_attention")
   s, topk = 16384, bench.TOPK
   unions = []
   for replaced in (0, 3, topk - 2):
@@ -158,15 +161,9 @@ def test_window_shared_selections_control_the_overlap():
 def test_estimate_tile_regrouping_finds_the_better_grouping():
   """Queries alternate between two disjoint block sets: consecutive groups of 4 hold both (union 4),
   and every regrouping strategy separates them (union 2). The script's CLI runs on a small prefill."""
-  import importlib.util
-
   import numpy as np
 
-  sys.path.insert(0, str(REPO / "scripts"))
-  spec = importlib.util.spec_from_file_location("estimate_tile_regrouping",
-                                                REPO / "scripts" / "estimate_tile_regrouping.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _load_script("estimate_tile_regrouping")
   ids = np.full((64, 1, 16), -1, np.int32)
   ids[0::2, 0, :2] = [0, 1]
   ids[1::2, 0, :2] = [2, 3]
