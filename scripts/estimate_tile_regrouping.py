@@ -92,15 +92,35 @@ def minhash_order(member: np.ndarray, keys: int = 2, seed: int = 0) -> np.ndarra
   return order
 
 
+def single_user_blocks(member: np.ndarray) -> float:
+  """Mean number of blocks in a consecutive GROUP-query union that only one of the GROUP queries uses
+  (each costs a full 64-row wgmma step for 16 useful rows)."""
+  n, g, nb = member.shape
+  users = member.reshape(n // GROUP, GROUP, g, nb).sum(1)
+  return float((users == 1).sum(-1).mean())
+
+
+def per_block_packing(member: np.ndarray, window: int) -> float:
+  """Work per GROUP queries (in 64-row steps) if, within each `window` queries, every block's users were
+  packed GROUP at a time into its own steps: sum over blocks of ceil(users / GROUP), times GROUP / window.
+  The bound of any grouping inside a window, but it needs per-step gathers of Q and O rows."""
+  n, g, nb = member.shape
+  users = member.reshape(n // window, window, g, nb).sum(1)
+  return float(np.ceil(users / GROUP).sum(-1).mean() * GROUP / window)
+
+
 def estimate(ids: np.ndarray, num_blocks: int) -> dict[str, float]:
   member = block_sets(ids, num_blocks)
   n, g, _ = member.shape
   consecutive = mean_union(member, np.broadcast_to(np.arange(n), (g, n)))
   return {
       "consecutive": round(consecutive, 2),
+      "single_user_blocks": round(single_user_blocks(member), 2),
       "best_split_of_8": round(best_split_union(member), 2),
       "greedy_64_window": round(mean_union(member, greedy_order(member)), 2),
       "minhash_sort_64_window": round(mean_union(member, minhash_order(member)), 2),
+      "per_block_packing_16": round(per_block_packing(member, 16), 2),
+      "per_block_packing_64": round(per_block_packing(member, WINDOW), 2),
   }
 
 

@@ -120,9 +120,9 @@ def _ws_attention_kernel(
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
     plgpu.barrier_arrive(k_consumed)
     if masked:  # rows of queries that skip the block, and keys past a row's position, get -inf
-      limit = plgpu.load(limit_smem.at[wg], (), layout=ROW_LAYOUT)
+      limit = plgpu.load(limit_smem.at[wg], layout=ROW_LAYOUT)
       if check_users:
-        row_bit = plgpu.load(bit_smem.at[wg], (), layout=ROW_LAYOUT)
+        row_bit = plgpu.load(bit_smem.at[wg], layout=ROW_LAYOUT)
         limit = jnp.where((row_bit & users) != 0, limit, -1)
       s = mask_invisible_keys(s, limit, block)
 
