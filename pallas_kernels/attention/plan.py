@@ -140,3 +140,73 @@ def dense_causal_plan(
   users = jnp.sum(jnp.where(sees, jnp.left_shift(1, jnp.arange(q, dtype=jnp.int32)), 0), axis=-1, dtype=jnp.int32)
   users = jnp.broadcast_to(users[:, :, None, :], blocks.shape)
   return TilePlan(blocks, users, count, row_limit, row_bit)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PersistentPlan:
+  """A TilePlan's block lists laid end to end per persistent CTA (all int32).
+
+  CTA c of (batch, KV group) owns tiles c, c + C, c + 2C, ... (C = CTAs per group) and walks their lists
+  as one stream, so the K/V pipeline never drains between tiles. Every real tile gets at least one step
+  (an empty list becomes one entry with users = 0), where its output is written.
+
+  block, users: [B, G, C, L] per step (L = the longest stream; entries past `count` are 0).
+  full: [B, G, C, L] bit w set when every query of warpgroup w uses the block and sees all its keys (no mask).
+  info: [B, G, C, L] k << 2 | last << 1 | first: the step's tile ordinal k within the CTA (tile c + k C) and
+    whether it is the first / last step of that tile.
+  count: [B, G, C] steps per CTA. num_tiles: [B, G, C] tiles per CTA.
+  """
+
+  block: jax.Array
+  users: jax.Array
+  full: jax.Array
+  info: jax.Array
+  count: jax.Array
+  num_tiles: jax.Array
+
+
+def persistent_plan(plan: TilePlan, *, ctas_per_group: int, queries_per_wg: int, heads_per_group: int) -> PersistentPlan:
+  """Lays each CTA's tiles' lists end to end (see PersistentPlan); tile t goes to CTA t % ctas_per_group."""
+  b, tiles, g, u = plan.blocks.shape
+  c = ctas_per_group
+  k_max = -(-tiles // c)
+  pad = k_max * c - tiles
+  real = jnp.arange(k_max * c) < tiles  # [K * C]
+  steps = jnp.where(real[None, :, None], jnp.maximum(jnp.pad(plan.count, [(0, 0), (0, pad), (0, 0)]), 1), 0)
+  steps = jnp.moveaxis(steps.reshape(b, k_max, c, g), 1, 3)  # [B, C, G, K]
+  steps = jnp.swapaxes(steps, 1, 2)  # [B, G, C, K]
+  ends = jnp.cumsum(steps, axis=-1)
+  starts = ends - steps
+  length = k_max * u
+  # tile ordinal of each step: count the tile starts at or before it
+  marks = jnp.zeros((b, g, c, length + 1), jnp.int32)
+  bi, gi, ci, ki = jnp.meshgrid(jnp.arange(b), jnp.arange(g), jnp.arange(c), jnp.arange(k_max), indexing="ij")
+  marks = marks.at[bi, gi, ci, jnp.where(steps > 0, starts, length)].add(jnp.where(ki > 0, 1, 0))
+  ordinal = jnp.cumsum(marks[..., :length], axis=-1)  # [B, G, C, L]
+  position = jnp.arange(length, dtype=jnp.int32)
+  count = ends[..., -1]
+  live = position < count[..., None]
+  ordinal = jnp.where(live, ordinal, 0)
+  entry = position - jnp.take_along_axis(starts, ordinal, axis=-1)
+  last = entry == jnp.take_along_axis(steps, ordinal, axis=-1) - 1
+  tile = jnp.arange(c, dtype=jnp.int32)[None, None, :, None] + ordinal * c
+  tile = jnp.minimum(tile, tiles - 1)
+  bidx = jnp.arange(b)[:, None, None, None]
+  gidx = jnp.arange(g)[None, :, None, None]
+  block = jnp.where(live, plan.blocks[bidx, tile, gidx, entry], 0)
+  users = jnp.where(live, plan.users[bidx, tile, gidx, entry], 0)
+  wgs = plan.row_limit.shape[-1] // ROWS_PER_TILE
+  rows = plan.row_limit.reshape(b, tiles, wgs, ROWS_PER_TILE)[..., : queries_per_wg * heads_per_group : heads_per_group]
+  min_limit = rows.min(-1)  # [B, tiles, W]
+  mask = (1 << queries_per_wg) - 1
+  full = jnp.zeros_like(block)
+  for w in range(wgs):
+    mine = jnp.right_shift(users, w * queries_per_wg) & mask
+    sees_all = (block + 1) * KEY_BLOCK - 1 <= min_limit[bidx, tile, w]
+    full = full | jnp.where((mine == mask) & sees_all, 1 << w, 0)
+  info = jnp.left_shift(ordinal, 2) | jnp.where(last, 2, 0) | jnp.where(entry == 0, 1, 0)
+  info = jnp.where(live, info, 0)
+  num_tiles = (steps > 0).sum(-1).astype(jnp.int32)
+  as32 = lambda x: x.astype(jnp.int32)
+  return PersistentPlan(as32(block), as32(users), as32(full), as32(info), as32(count), num_tiles)
