@@ -140,3 +140,81 @@ def dense_causal_plan(
   users = jnp.sum(jnp.where(sees, jnp.left_shift(1, jnp.arange(q, dtype=jnp.int32)), 0), axis=-1, dtype=jnp.int32)
   users = jnp.broadcast_to(users[:, :, None, :], blocks.shape)
   return TilePlan(blocks, users, count, row_limit, row_bit)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PersistentPlan:
+  """A TilePlan's block lists laid end to end per persistent CTA (all int32).
+
+  A job is one (KV group, tile) pair, numbered group-major: job j = g * tiles + t. CTA c of a batch row
+  owns jobs c, c + C, c + 2C, ... (C = CTAs per batch row) and walks their lists as one stream, so its K/V
+  pipeline never drains between tiles; the jobs in flight at any time are neighbours of one KV group, as
+  with one CTA per tile. Every real job gets at least one step (an empty list becomes one entry with
+  users = 0), where its output is written.
+
+  block: [B, C, L] per step: g * key_blocks + the key block (rows of K / V laid out [G * Sk_pad, D]).
+  users: [B, C, L] bitmask of the tile's queries that use the block.
+  full: [B, C, L] bit w set when every query of warpgroup w uses the block and sees all its keys (no mask).
+  info: [B, C, L] k << 2 | last << 1 | first: the step's job ordinal k within the CTA (job c + k C) and
+    whether it is the job's first / last step.
+  count: [B, C] steps per CTA. num_jobs: [B, C] jobs per CTA.
+  """
+
+  block: jax.Array
+  users: jax.Array
+  full: jax.Array
+  info: jax.Array
+  count: jax.Array
+  num_jobs: jax.Array
+
+
+def persistent_plan(plan: TilePlan, *, ctas: int, queries_per_wg: int, heads_per_group: int,
+                    key_blocks: int) -> PersistentPlan:
+  """Lays each CTA's jobs' lists end to end (see PersistentPlan); job j goes to CTA j % ctas.
+
+  key_blocks: blocks per KV group in the kernel's K / V layout (Sk_pad / 128).
+  """
+  b, tiles, g, u = plan.blocks.shape
+  jobs = g * tiles
+  c = ctas
+  k_max = -(-jobs // c)
+  pad = k_max * c - jobs
+  job_count = jnp.swapaxes(plan.count, 1, 2).reshape(b, jobs)
+  real = jnp.arange(k_max * c) < jobs
+  steps = jnp.where(real[None], jnp.maximum(jnp.pad(job_count, [(0, 0), (0, pad)]), 1), 0)
+  steps = jnp.swapaxes(steps.reshape(b, k_max, c), 1, 2)  # [B, C, K]
+  ends = jnp.cumsum(steps, axis=-1)
+  starts = ends - steps
+  length = k_max * u
+  # job ordinal of each step: count the job starts at or before it
+  bi, ci, ki = jnp.meshgrid(jnp.arange(b), jnp.arange(c), jnp.arange(k_max), indexing="ij")
+  marks = jnp.zeros((b, c, length + 1), jnp.int32)
+  marks = marks.at[bi, ci, jnp.where(steps > 0, starts, length)].add(jnp.where(ki > 0, 1, 0))
+  ordinal = jnp.cumsum(marks[..., :length], axis=-1)  # [B, C, L]
+  position = jnp.arange(length, dtype=jnp.int32)
+  count = ends[..., -1]
+  live = position < count[..., None]
+  ordinal = jnp.where(live, ordinal, 0)
+  entry = position - jnp.take_along_axis(starts, ordinal, axis=-1)
+  last = entry == jnp.take_along_axis(steps, ordinal, axis=-1) - 1
+  job = jnp.minimum(jnp.arange(c, dtype=jnp.int32)[None, :, None] + ordinal * c, jobs - 1)
+  group, tile = job // tiles, job % tiles
+  bidx = jnp.arange(b)[:, None, None]
+  block = jnp.where(live, plan.blocks[bidx, tile, group, entry], 0)
+  users = jnp.where(live, plan.users[bidx, tile, group, entry], 0)
+  wgs = plan.row_limit.shape[-1] // ROWS_PER_TILE
+  rows = plan.row_limit.reshape(b, tiles, wgs, ROWS_PER_TILE)[..., : queries_per_wg * heads_per_group : heads_per_group]
+  min_limit = rows.min(-1)  # [B, tiles, W]
+  mask = (1 << queries_per_wg) - 1
+  full = jnp.zeros_like(block)
+  for w in range(wgs):
+    mine = jnp.right_shift(users, w * queries_per_wg) & mask
+    sees_all = (block + 1) * KEY_BLOCK - 1 <= min_limit[bidx, tile, w]
+    full = full | jnp.where((mine == mask) & sees_all, 1 << w, 0)
+  info = jnp.left_shift(ordinal, 2) | jnp.where(last, 2, 0) | jnp.where(entry == 0, 1, 0)
+  as32 = lambda x: x.astype(jnp.int32)
+  return PersistentPlan(
+      as32(jnp.where(live, group * key_blocks + block, 0)), as32(users), as32(full), as32(jnp.where(live, info, 0)),
+      as32(count), as32((steps > 0).sum(-1)),
+  )
