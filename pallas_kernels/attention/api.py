@@ -11,7 +11,6 @@ multiple of 8 (or > 64) raise NotImplementedError so a caller can fall back to t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -22,9 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, SparseAttentionBlockSizes
 from pallas_kernels.attention.config import heuristic_block_sizes, one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
-from pallas_kernels.attention.kernel_sm90_persistent import persistent_attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
-from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, persistent_plan, sparse_plan
+from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -59,17 +57,13 @@ def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> 
   wgs = bs.compute_wgs
   qpt = max(wgs, min(bs.queries_per_tile, wgs * (ROWS_PER_TILE // hpg)) // wgs * wgs)
   stages = bs.kv_stages
-  while stages > 1 and dataclasses.replace(bs, kv_stages=stages, queries_per_tile=qpt).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
+  while stages > 1 and SparseAttentionBlockSizes(
+      kv_stages=stages, p_in_smem=bs.p_in_smem, compute_wgs=wgs, queries_per_tile=qpt).smem_bytes(head_dim) > SMEM_LIMIT_BYTES:
     stages -= 1
-  return dataclasses.replace(bs, queries_per_tile=qpt, kv_stages=stages)
-
-
-def _num_sms() -> int:
-  """SMs of the default device (132 off GPU: the H100 / H200 count, for launch shapes in interpret mode)."""
-  device = jax.devices()[0]
-  if device.platform != "gpu":
-    return 132
-  return getattr(device, "core_count", None) or 132
+  return SparseAttentionBlockSizes(
+      queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem, compute_wgs=wgs,
+      ping_pong=bs.ping_pong,
+  )
 
 
 def _pad_keys(k, v):
@@ -122,19 +116,6 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
   plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs)
   kp, vp = _pad_keys(k, v)
-  if block_sizes.persistent:
-    if not check_users:
-      raise ValueError("persistent=True runs sparse plans only")
-    tiles = sq_pad // block_sizes.queries_per_tile
-    ctas = block_sizes.ctas_per_group or _num_sms() // b
-    ctas = max(1, min(tiles * k.shape[2], ctas))
-    steps = persistent_plan(plan, ctas=ctas, queries_per_wg=block_sizes.queries_per_tile // 2, heads_per_group=hpg,
-                            key_blocks=kp.shape[1] // KEY_BLOCK)
-    o, lse = persistent_attention_pallas(
-        q, kp, vp, plan, steps, scale=scale, block_sizes=block_sizes, p_in_smem=block_sizes.p_in_smem,
-        interpret=_interpret_params(interpret),
-    )
-    return _merge_splits(o, lse)[:, :sq]
   launch = ws_attention_pallas if block_sizes.compute_wgs == 2 else attention_pallas
   o, lse = launch(
       q, kp, vp, plan, scale=scale, block_sizes=block_sizes,

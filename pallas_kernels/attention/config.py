@@ -31,10 +31,6 @@ class SparseAttentionBlockSizes:
     the entries both warpgroups use deadlocks (measured on the H200): the warpgroup ahead waits at its
     next shared entry for a K/V load whose pipeline slot the warpgroup behind still holds while it waits
     at the rendezvous, whenever two shared entries are >= kv_stages apart.
-  persistent: (sparse plans, compute_wgs=2, ping_pong="off") each CTA walks several (KV group, tile) jobs'
-    lists as one stream (kernel_sm90_persistent.py): SMs // batch CTAs per batch row, job j on CTA j % C,
-    the next job's queries prefetched.
-  ctas_per_group: C, the persistent CTAs per batch row (None: SMs // batch, at most the job count).
   """
 
   queries_per_tile: int = 4
@@ -43,8 +39,6 @@ class SparseAttentionBlockSizes:
   p_in_smem: bool | None = None
   compute_wgs: int = 1
   ping_pong: str = "every"
-  persistent: bool = False
-  ctas_per_group: int | None = None
 
   def __post_init__(self):
     if self.queries_per_tile < 1:
@@ -59,10 +53,6 @@ class SparseAttentionBlockSizes:
       raise ValueError(f"ping_pong must be 'every' or 'off', got {self.ping_pong!r}")
     if self.compute_wgs == 2 and (self.num_splits != 1 or self.queries_per_tile % 2):
       raise ValueError(f"compute_wgs=2 needs num_splits=1 and an even queries_per_tile, got {self}")
-    if self.ctas_per_group is not None and self.ctas_per_group < 1:
-      raise ValueError(f"ctas_per_group must be >= 1 or None, got {self.ctas_per_group}")
-    if self.persistent and (self.compute_wgs != 2 or self.ping_pong != "off"):
-      raise ValueError(f"persistent=True needs compute_wgs=2 and ping_pong='off', got {self}")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """Query/output tiles + K and V stages + per-row vectors (+ the P tiles when staged in smem)."""
@@ -70,8 +60,7 @@ class SparseAttentionBlockSizes:
     p_tile = rows * KEY_BLOCK * itemsize if self.p_in_smem else 0
     # + 4 KB for barriers and the 1 KB alignment of swizzled buffers (measured: 2 warpgroups, 3 stages,
     # D = 128 allocate 233536 B against 230912 B of buffers)
-    q_slots = 2 if self.persistent else 1
-    return (q_slots * rows + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * q_slots * rows * 4 + p_tile + 4096
+    return (rows + 2 * self.kv_stages * KEY_BLOCK) * head_dim * itemsize + 3 * rows * 4 + p_tile + 4096
 
 
 def one_warpgroup_queries_per_tile(heads_per_group: int, num_queries: int) -> int:
