@@ -26,14 +26,13 @@ import dataclasses
 import functools
 import json
 import pathlib
-import statistics
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_common import gpu_ms
 from m3jax.research import selection_locality
 from pallas_kernels.attention import (
     SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
@@ -47,23 +46,6 @@ NQ, NKV, D, HI, DI, TOPK, BLOCK = 64, 4, 128, 4, 128, 16, 128
 SCALE = D ** -0.5
 ROWS: list[dict] = []
 INTERPRET = False  # --interpret: CPU dry run of this script on tiny sizes (kernels in GPU interpret mode)
-
-
-def gpu_ms(fn, *args, iters=5):
-  """(output, median GPU ms, timer) of fn(*args): CUPTI kernel time if available, else wall clock."""
-  try:
-    from jax.experimental.mosaic.gpu import profiler
-    out, times = profiler.measure(fn, iterations=iters)(*args)
-    times = times if isinstance(times, list) else [times]
-    return out, statistics.median(times), "cupti"
-  except Exception:  # noqa: BLE001 - fall back to wall clock
-    out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append((time.perf_counter() - t0) * 1e3)
-    return out, statistics.median(times), "wall"
 
 
 def record(section, **kw):
