@@ -3,21 +3,27 @@
 The sparse prefill kernel (pallas_kernels/attention/kernel_sm90_ws.py) spends a 64-row wgmma (4 queries x 16
 heads) on every block any of a warpgroup's 4 queries selected. On the benchmark's indexer selections 45 %
 (correlated) to 80 % (random) of those blocks are used by a single query, so 3/4 of their rows are masked.
-A 16-row tile (one query's 16 heads) has no such waste, but Hopper's wgmma needs M = 64: 16 rows means the
-Ampere-style mma.sync (`plgpu.mma`), whose operands come from registers loaded out of shared memory.
-This script times both inner loops with K and V resident in shared memory (no HBM traffic), so each
-rate is an upper bound on what a kernel built on it could reach:
+A 16-row tile (one query's 16 heads) has no such waste, but Hopper's wgmma needs M = 64. Two ways around it:
+the Ampere-style mma.sync (`plgpu.mma`), whose operands come from registers loaded out of shared memory, or
+a transposed wgmma with the keys on M and the 16 heads on N (N may be as small as 8). This script times the
+inner loops with K and V resident in shared memory (no HBM traffic), so each rate is an upper bound on what
+a kernel built on it could reach:
 
-  wgmma64: S = Q[64, 128] K^T (wgmma), base-2 online softmax, O += P V (wgmma, P from registers)
-  mma16:   the same for Q[16, 128] with plgpu.mma (K^T and V loaded from shared memory every step,
-           P converted through shared memory to the operand layout)
+  wgmma64:   S = Q[64, 128] K^T (wgmma), base-2 online softmax, O += P V (wgmma, P from registers)
+  mma16:     the same for Q[16, 128] with plgpu.mma (K^T and V loaded from shared memory every step,
+             P converted through shared memory to the operand layout)
+  wgmmaT16:  S^T = K Q^T [128, 16] (wgmma), softmax over the keys (axis 0, across warps),
+             O^T += V^T P^T (wgmma, P stored transposed to shared memory)
+  wgmmaT16r: the same with V^T loaded into registers (P^T stored untransposed)
+  wgmmaT32r: wgmmaT16r with two independent (query, block) chains per warpgroup
+  wgmmaT16f: diagnostic, wgmmaT16r without the running max (valid only for these O(1) scores)
 
-  PYTHONPATH=$PWD JAX_PLATFORMS=cuda python3 scripts/bench_row_tile.py [--out DIR]
+  PYTHONPATH=$PWD JAX_PLATFORMS=cuda python3 scripts/bench_row_tile.py [--out DIR] [--kinds K1,K2]
 
-A singleton block costs a 64-row step on the current kernel and a 16-row step on an mma.sync path, so
-the path pays off for singletons only if rate(mma16) > rate(wgmma64) / 4 by a wide margin; the printed
-`singleton_cost` is time(16-row step) / time(64-row step). Each result is checked against numpy. GPU
-only: the Mosaic GPU interpreter has no rule for plgpu.mma.
+A singleton block costs a 64-row step on the current kernel and one 16-row step on either path, so a path
+pays off for singletons only if its rate is well above rate(wgmma64) / 4; the printed `<kind>_singleton_cost`
+is time(16-row step) / time(64-row step). Each result is checked against numpy. GPU only: the Mosaic GPU
+interpreter has no rule for plgpu.mma, and none for wgmma with warpgroup threads (num_threads).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from pallas_kernels.attention.kernel_sm90 import LOG2E  # noqa: E402
 
 D = 128
 KEYS = 128
-ROWS = {"wgmma64": 64, "mma16": 16}  # wgmma rows per warpgroup step
+ROWS = {"wgmma64": 64, "mma16": 16, "wgmmaT16": 16, "wgmmaT16r": 16, "wgmmaT16f": 16, "wgmmaT32r": 32}  # wgmma rows per warpgroup step
 DTYPE = jnp.bfloat16
 TOLERANCE = 1e-2  # max |error| of the bf16 kernels against numpy (values are O(1)); above it a row is wrong
 
@@ -133,8 +139,82 @@ def mma16_kernel(q_ref, k_ref, vt_ref, o_ref, k_smem, vt_smem, p_smem, kv_barrie
   o_ref.at[cta, wg][...] = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
 
 
+def wgmma_t16_kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, p_smem, barrier, kv_barrier, *, steps,
+                     scale, deferred_sum, v_in_registers, fixed_max, pairs):
+  """Transposed 16-row steps: S^T [KEYS, 16] = K Q^T and O^T [D, 16] += V^T P^T, so the 16 heads of one query
+  are wgmma's N (which may be as small as 8) and the keys its M. The softmax reduces over axis 0 (across the
+  warps of the warpgroup). Each warpgroup runs `pairs` independent (query, block) chains per step, their
+  wgmmas issued together. q_ref [C, W, pairs * 16, D]; o_ref [C, W, pairs, D, 16] (fp32 normalised output,
+  transposed). deferred_sum keeps the softmax denominator as per-element partial sums, reduced once at the end.
+  fixed_max (diagnostic only, wgmmaT16f): no running max, to time what the cross-warp max costs.
+  v_in_registers: P.V takes V^T from registers (wgmma's A operand from shared memory must share B's swizzle,
+  and P^T [KEYS, 16] only allows a 32-byte one); otherwise P is stored transposed to match V's swizzle."""
+  cta, wg = lax.axis_index("cta"), lax.axis_index("wg")
+  plgpu.copy_gmem_to_smem(q_ref.at[cta, wg], q_smem.at[wg], barrier.at[wg])
+  plgpu.barrier_wait(barrier.at[wg])
+  _load_shared_block(wg, k_ref, v_ref, k_smem, v_smem, kv_barrier)
+  c = scale * LOG2E
+  one = (
+      plgpu.layout_cast(jnp.zeros((D, 16), jnp.float32), plgpu.Layout.WGMMA),
+      jnp.full((16,), -jnp.inf, jnp.float32),
+      plgpu.layout_cast(jnp.zeros((KEYS, 16), jnp.float32), plgpu.Layout.WGMMA) if deferred_sum
+      else jnp.zeros((16,), jnp.float32),
+  )
+  q_t = [q_smem.at[wg, pl.ds(16 * j, 16)].transpose((1, 0)) for j in range(pairs)]
+
+  def softmax(s, m_i, l_i, acc):
+    if fixed_max:  # diagnostic: no running max (exact here only because these scores are O(1))
+      p = jnp.exp2(s * c)
+      return p, m_i, l_i + (p if deferred_sum else p.sum(axis=0)), acc
+    m_new = jnp.maximum(m_i, s.max(axis=0) * c)
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [1]))
+    if deferred_sum:
+      l_i = l_i * lax.broadcast_in_dim(alpha, l_i.shape, [1]) + p
+    else:
+      l_i = l_i * alpha + p.sum(axis=0)
+    return p, m_new, l_i, acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+
+  def step(_, carry):
+    def qk(*acc_refs):
+      for j, acc_ref in enumerate(acc_refs):
+        plgpu.wgmma(acc_ref, k_smem, q_t[j])
+      return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    scores = pl.run_scoped(qk, *[plgpu.ACC((KEYS, 16), jnp.float32)] * pairs)
+    new, operands = [], []
+    for j, (s, (acc, m_i, l_i)) in enumerate(zip(scores, carry)):
+      p, m_i, l_i, acc = softmax(s, m_i, l_i, acc)
+      new.append((m_i, l_i))
+      if v_in_registers:  # B = P^T [KEYS, 16] (N-major)
+        p_smem.at[wg, j][...] = p.astype(DTYPE)
+        operands.append(p_smem.at[wg, j])
+      else:  # P stored transposed, [16, KEYS] (K-major), to share V's swizzle
+        p_smem.at[wg, j].transpose((1, 0))[...] = p.astype(DTYPE)
+        operands.append(p_smem.at[wg, j].transpose((1, 0)))
+      new[-1] = (acc,) + new[-1]
+    plgpu.commit_smem()
+    v_t = (plgpu.load(v_smem.transpose((1, 0)), layout=plgpu.Layout.WGMMA) if v_in_registers
+           else v_smem.transpose((1, 0)))
+
+    def pv(*acc_refs):  # fresh accumulators, added to the rescaled ones in registers
+      for acc_ref, b in zip(acc_refs, operands):
+        plgpu.wgmma(acc_ref, v_t, b)
+      return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    pvs = pl.run_scoped(pv, *[plgpu.ACC((D, 16), jnp.float32)] * pairs)
+    return tuple((acc + pv_j, m_i, l_i) for pv_j, (acc, m_i, l_i) in zip(pvs, new))
+
+  final = lax.fori_loop(0, steps, step, (one,) * pairs)
+  for j, (acc, _, l_i) in enumerate(final):
+    if deferred_sum:
+      l_i = l_i.sum(axis=0)
+    o_ref.at[cta, wg, j][...] = acc / lax.broadcast_in_dim(l_i, acc.shape, [1])
+
+
 def build(kind: str, *, ctas: int, wgs: int, steps: int, optimized: bool = True):
-  """A jitted fn(q, k, v) -> o for kind in {"wgmma64", "mma16"}; rows = 64 or 16 per warpgroup."""
+  """A jitted fn(q, k, v) -> o [ctas, wgs, ROWS[kind], D] for a kind of ROWS. `optimized`: optimized
+  shared-memory loads (mma16) or the per-element softmax denominator (wgmmaT*)."""
   scale = D ** -0.5
   out_type = jax.ShapeDtypeStruct((ctas, wgs, ROWS[kind], D), jnp.float32)
   common = dict(
@@ -154,6 +234,28 @@ def build(kind: str, *, ctas: int, wgs: int, steps: int, optimized: bool = True)
         **common,
     )
     return jax.jit(kernel)
+  if kind.startswith("wgmmaT"):
+    common.pop("out_type")
+    v_in_registers = kind != "wgmmaT16"
+    pairs = ROWS[kind] // 16
+    p_smem = (plgpu.SMEM((wgs, pairs, KEYS, 16), DTYPE,
+                         transforms=(plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32)))
+              if v_in_registers else plgpu.SMEM((wgs, pairs, 16, KEYS), DTYPE, transforms=_swizzled()))
+    kernel = plgpu.kernel(
+        functools.partial(wgmma_t16_kernel, steps=steps, scale=scale, deferred_sum=optimized,
+                          v_in_registers=v_in_registers, fixed_max=kind == "wgmmaT16f", pairs=pairs),
+        out_type=jax.ShapeDtypeStruct((ctas, wgs, pairs, D, 16), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((wgs, pairs * 16, D), DTYPE, transforms=_swizzled()),
+            plgpu.SMEM((KEYS, D), DTYPE, transforms=_swizzled()),
+            plgpu.SMEM((KEYS, D), DTYPE, transforms=_swizzled()),
+            p_smem,
+            plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
+            plgpu.Barrier(num_arrivals=2),
+        ],
+        **common,
+    )
+    return jax.jit(lambda q, k, v: kernel(q, k, v).swapaxes(-1, -2).reshape(ctas, wgs, pairs * 16, D))
   kernel = plgpu.kernel(
       functools.partial(mma16_kernel, steps=steps, scale=scale, optimized=optimized),
       scratch_types=[
@@ -197,13 +299,18 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--out", default=None)
   ap.add_argument("--steps", type=int, default=2048)
+  ap.add_argument("--kinds", default="", help="comma-separated subset of " + ",".join(ROWS))
   args = ap.parse_args()
   sms = jax.devices()[0].core_count
   results = []
   # mma16 with 2 warpgroups per CTA is wrong (Pallas gives every warpgroup of a CTA the same scratch for
   # cross-warp reductions, and the 16-row softmax reduces across the 4 warps): timed as an upper bound only.
-  cases = [("wgmma64", 2, True), ("wgmma64", 1, True), ("mma16", 1, True), ("mma16", 1, False), ("mma16", 2, True)]
+  cases = [("wgmma64", 2, True), ("wgmma64", 1, True), ("mma16", 1, True), ("mma16", 1, False), ("mma16", 2, True),
+           ("wgmmaT16", 1, True), ("wgmmaT16", 1, False), ("wgmmaT16r", 1, True), ("wgmmaT16r", 1, False),
+           ("wgmmaT16f", 1, True), ("wgmmaT32r", 1, True)]
   for kind, wgs, opt in cases:
+    if args.kinds and kind not in args.kinds.split(","):
+      continue
     try:
       row = run_case(kind, ctas=sms * 4, wgs=wgs, steps=args.steps, optimized=opt)
     except Exception as e:  # noqa: BLE001 - a layout this JAX cannot lower is a result too
@@ -211,11 +318,13 @@ def main():
     results.append(row)
     print(json.dumps(row), flush=True)
   correct = [r for r in results if r.get("correct")]
-  best64 = max((r["tflops"] for r in correct if r["kind"] == "wgmma64"), default=None)
-  best16 = max((r["tflops"] for r in correct if r["kind"] == "mma16"), default=None)
-  if best64 and best16:
+  best = {k: max((r["tflops"] for r in correct if r["kind"] == k), default=None) for k in ROWS}
+  if best["wgmma64"]:
     # A 16-row step does 1/4 of a 64-row step's FLOPs: its time relative to a 64-row step.
-    summary = {"wgmma64_tflops": best64, "mma16_tflops": best16, "singleton_cost": round(best64 / best16 / 4, 3)}
+    summary = {f"{k}_tflops": v for k, v in best.items()}
+    for k in ROWS:
+      if best[k] and k != "wgmma64":
+        summary[f"{k}_singleton_cost"] = round(best["wgmma64"] / best[k] / 4, 3)
     print(json.dumps(summary), flush=True)
     results.append(summary)
   if args.out:

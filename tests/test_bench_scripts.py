@@ -184,3 +184,22 @@ def test_estimate_tile_regrouping_finds_the_better_grouping():
   for r in rows:
     assert r["best_split_of_8"] <= r["consecutive"] and r["greedy_64_window"] <= r["consecutive"] + 1e-9
     assert r["per_block_packing_64"] <= r["per_block_packing_16"] <= r["consecutive"] + 1e-9
+
+
+def test_bench_row_tile_kernels_lower_for_cuda():
+  """bench_row_tile.py's kernels are GPU-only (no interpreter rule for plgpu.mma or threaded wgmma), but their
+  Mosaic GPU lowering, layout inference included, runs on the CPU: every kind must get through it."""
+  code = """
+import sys
+sys.path.insert(0, "scripts")
+import bench_row_tile as b
+for kind in b.ROWS:
+  for optimized in (True, False):
+    q, k, v = b.inputs(2, 1, b.ROWS[kind])
+    fn = b.build(kind, ctas=2, wgs=1, steps=2, optimized=optimized)
+    text = fn.trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, kind
+    print(kind, optimized, "lowered")
+"""
+  out = run_script("-c", code)
+  assert out.count("lowered") == 2 * 6, out
