@@ -4,7 +4,9 @@ The sparse attention prefill kernel gives each warpgroup 4 consecutive queries a
 selected blocks (BENCHMARKS.md, "Sparse prefill against selection locality"). This script measures the mean
 per-warpgroup union on the last --queries queries of an --size-token prefill under four groupings:
 consecutive (what the kernel does), the best 4 + 4 split of each 8-query tile, a greedy grouping within
-64-query windows, and a sort of each window by MinHash keys of the block sets.
+64-query windows, and a sort of each window by MinHash keys of the block sets. It also prices two bounds on
+other kernels (per-block packing of users, and hybrid_*: 64-row steps for shared blocks plus 16-wide steps
+at --singleton-cost for blocks one query uses) in 64-row steps per 4 queries.
 
   PYTHONPATH=$PWD JAX_PLATFORMS=cpu python scripts/estimate_tile_regrouping.py [--size 16384] [--queries 2048]
 
@@ -29,6 +31,9 @@ from pallas_kernels.indexer import indexer_topk_reference  # noqa: E402
 
 GROUP = 4  # queries per warpgroup
 WINDOW = 64
+# Time of a transposed 16-wide wgmma step over a 64-row step (scripts/bench_row_tile.py, wgmmaT32r on the H200;
+# BENCHMARKS.md, "Transposed 16-row tiles").
+SINGLETON_COST = 0.695
 
 
 def block_sets(ids: np.ndarray, num_blocks: int) -> np.ndarray:
@@ -38,11 +43,24 @@ def block_sets(ids: np.ndarray, num_blocks: int) -> np.ndarray:
   return member[..., :num_blocks]
 
 
-def mean_union(member: np.ndarray, order: np.ndarray) -> float:
-  """Mean union size of consecutive GROUP-query groups after reordering queries by order [G, N]."""
+def group_users(member: np.ndarray, order: np.ndarray) -> np.ndarray:
+  """int [N / GROUP, G, nb]: how many of each consecutive GROUP-query group's queries (after reordering
+  queries by order [G, N]) use each block."""
   n, g, nb = member.shape
   regrouped = np.stack([member[order[j], j] for j in range(g)], 1)  # [N, G, nb]
-  return float(regrouped.reshape(n // GROUP, GROUP, g, nb).any(1).sum(-1).mean())
+  return regrouped.reshape(n // GROUP, GROUP, g, nb).sum(1)
+
+
+def mean_union(member: np.ndarray, order: np.ndarray) -> float:
+  """Mean union size of consecutive GROUP-query groups after reordering queries by order [G, N]."""
+  return float((group_users(member, order) > 0).sum(-1).mean())
+
+
+def hybrid_steps(member: np.ndarray, order: np.ndarray, singleton_cost: float) -> float:
+  """Mean work per GROUP-query group, in 64-row steps, for a kernel that spends a 64-row step on each block
+  2+ of the group's queries use and a 16-wide step costing `singleton_cost` on each block only one uses."""
+  users = group_users(member, order)
+  return float(((users >= 2).sum(-1) + singleton_cost * (users == 1).sum(-1)).mean())
 
 
 def best_split_union(member: np.ndarray) -> float:
@@ -109,18 +127,22 @@ def per_block_packing(member: np.ndarray, window: int) -> float:
   return float(np.ceil(users / GROUP).sum(-1).mean() * GROUP / window)
 
 
-def estimate(ids: np.ndarray, num_blocks: int) -> dict[str, float]:
+def estimate(ids: np.ndarray, num_blocks: int, singleton_cost: float = SINGLETON_COST) -> dict[str, float]:
   member = block_sets(ids, num_blocks)
   n, g, _ = member.shape
-  consecutive = mean_union(member, np.broadcast_to(np.arange(n), (g, n)))
+  in_order = np.broadcast_to(np.arange(n), (g, n))
+  consecutive = mean_union(member, in_order)
+  greedy = greedy_order(member)
   return {
       "consecutive": round(consecutive, 2),
       "single_user_blocks": round(single_user_blocks(member), 2),
       "best_split_of_8": round(best_split_union(member), 2),
-      "greedy_64_window": round(mean_union(member, greedy_order(member)), 2),
+      "greedy_64_window": round(mean_union(member, greedy), 2),
       "minhash_sort_64_window": round(mean_union(member, minhash_order(member)), 2),
       "per_block_packing_16": round(per_block_packing(member, 16), 2),
       "per_block_packing_64": round(per_block_packing(member, WINDOW), 2),
+      "hybrid_consecutive": round(hybrid_steps(member, in_order, singleton_cost), 2),
+      "hybrid_greedy_64_window": round(hybrid_steps(member, greedy, singleton_cost), 2),
   }
 
 
@@ -128,6 +150,8 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--size", type=int, default=16384, help="prefill length (tokens)")
   ap.add_argument("--queries", type=int, default=2048, help="last queries to group (a multiple of 64)")
+  ap.add_argument("--singleton-cost", type=float, default=SINGLETON_COST,
+                  help="time of a 16-wide step over a 64-row step, for the hybrid_* columns")
   args = ap.parse_args()
   s, n = args.size, args.queries
   if n % WINDOW or not 0 < n <= s:
@@ -138,10 +162,10 @@ def main():
     pos = jnp.arange(s - n, s, dtype=jnp.int32)[None]
     ids = indexer_topk_reference(idx_q[:, s - n:], idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1)
     name = "correlated indexer" if correlated else "random indexer"
-    print(json.dumps({"selection": name, **estimate(np.asarray(ids)[0], num_blocks)}), flush=True)
+    print(json.dumps({"selection": name, **estimate(np.asarray(ids)[0], num_blocks, args.singleton_cost)}), flush=True)
   for replaced in (1, 2, 4):
     ids = np.asarray(window_shared_selections(s, replaced))[0, s - n:]
-    print(json.dumps({"selection": f"window-shared, {replaced} private", **estimate(ids, num_blocks)}), flush=True)
+    print(json.dumps({"selection": f"window-shared, {replaced} private", **estimate(ids, num_blocks, args.singleton_cost)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -169,7 +169,8 @@ def test_estimate_tile_regrouping_finds_the_better_grouping():
   ids[1::2, 0, :2] = [2, 3]
   got = module.estimate(ids, num_blocks=4)
   assert got == {"consecutive": 4.0, "single_user_blocks": 0.0, "best_split_of_8": 2.0, "greedy_64_window": 2.0,
-                 "minhash_sort_64_window": 2.0, "per_block_packing_16": 2.0, "per_block_packing_64": 2.0}
+                 "minhash_sort_64_window": 2.0, "per_block_packing_16": 2.0, "per_block_packing_64": 2.0,
+                 "hybrid_consecutive": 4.0, "hybrid_greedy_64_window": 2.0}
   # Block 0 shared by all, one private block each: 4 of a group's 5 blocks have a single user, and packing
   # users per block cannot help private blocks (block 0: 1 step per 4 queries, plus 4 private steps).
   private = np.full((64, 1, 16), -1, np.int32)
@@ -178,12 +179,16 @@ def test_estimate_tile_regrouping_finds_the_better_grouping():
   got = module.estimate(private, num_blocks=65)
   assert got["consecutive"] == 5.0 and got["single_user_blocks"] == 4.0
   assert got["per_block_packing_16"] == 5.0 and got["per_block_packing_64"] == 5.0
+  # Hybrid: block 0 takes one 64-row step, each of the 4 private blocks a 16-wide step.
+  assert got["hybrid_consecutive"] == round(1 + 4 * module.SINGLETON_COST, 2)
+  assert module.estimate(private, num_blocks=65, singleton_cost=0.25)["hybrid_consecutive"] == 2.0
   out = run_script("scripts/estimate_tile_regrouping.py", "--size", "2048", "--queries", "128")
   rows = [json.loads(line) for line in out.splitlines()]
   assert [r["selection"] for r in rows][:2] == ["random indexer", "correlated indexer"] and len(rows) == 5
   for r in rows:
     assert r["best_split_of_8"] <= r["consecutive"] and r["greedy_64_window"] <= r["consecutive"] + 1e-9
     assert r["per_block_packing_64"] <= r["per_block_packing_16"] <= r["consecutive"] + 1e-9
+    assert r["hybrid_consecutive"] <= r["consecutive"] + 1e-9
 
 
 def test_bench_row_tile_kernels_lower_for_cuda():
