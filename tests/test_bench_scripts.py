@@ -208,3 +208,26 @@ for kind in b.ROWS:
 """
   out = run_script("-c", code)
   assert out.count("lowered") == 2 * 6, out
+
+
+def test_check_xla_topk_runs_and_compares_against_a_sort(tmp_path, monkeypatch):
+  """The top-k check runs on the CPU (its GPU-only question is XLA's __gpu$TopK kernel) and finds lax.top_k
+  equal to the full sort there; its sort helper follows lax.top_k's contract on ties."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  module = _load_script("check_xla_topk")
+  vals, ids = module.sorted_topk(jnp.asarray([[1.0, 3.0, 3.0, -jnp.inf, jnp.inf]]), 3)
+  np.testing.assert_array_equal(np.asarray(ids), [[4, 1, 2]])
+  np.testing.assert_array_equal(np.asarray(vals), [[np.inf, 3.0, 3.0]])
+  out = run_script("scripts/check_xla_topk.py", "--out", str(tmp_path))
+  summary = json.loads(out.splitlines()[-1])
+  assert summary == {"cases": 39, "cases_with_differences": 0, "device": "cpu:0"}
+  rows = json.loads((tmp_path / "xla_topk.json").read_text())
+  assert len(rows) == 39 and all(r["rows_with_other_ids"] == 0 for r in rows)
+  assert not any(r["gpu_topk_kernel"] for r in rows)  # no GPU here
+  # A wrong top-k (the k smallest) is reported as a difference.
+  import jax
+  monkeypatch.setattr(jax.lax, "top_k", lambda x, k: module.sorted_topk(-x, k))
+  bad = module.check("finite", 2, 256, 16)
+  assert bad["rows_with_other_ids"] == bad["rows"] == 8 and bad["rows_with_other_values"] == 8
