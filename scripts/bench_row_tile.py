@@ -48,7 +48,8 @@ from pallas_kernels.attention.kernel_sm90 import LOG2E  # noqa: E402
 
 D = 128
 KEYS = 128
-ROWS = {"wgmma64": 64, "mma16": 16, "wgmmaT16": 16, "wgmmaT16r": 16, "wgmmaT16f": 16, "wgmmaT32r": 32}  # wgmma rows per warpgroup step
+# rows (query heads) per warpgroup step of each kind
+ROWS = {"wgmma64": 64, "mma16": 16, "wgmmaT16": 16, "wgmmaT16r": 16, "wgmmaT16f": 16, "wgmmaT32r": 32}
 DTYPE = jnp.bfloat16
 TOLERANCE = 1e-2  # max |error| of the bf16 kernels against numpy (values are O(1)); above it a row is wrong
 
@@ -185,14 +186,13 @@ def wgmma_t16_kernel(q_ref, k_ref, v_ref, o_ref, q_smem, k_smem, v_smem, p_smem,
     new, operands = [], []
     for j, (s, (acc, m_i, l_i)) in enumerate(zip(scores, carry)):
       p, m_i, l_i, acc = softmax(s, m_i, l_i, acc)
-      new.append((m_i, l_i))
+      new.append((acc, m_i, l_i))
       if v_in_registers:  # B = P^T [KEYS, 16] (N-major)
         p_smem.at[wg, j][...] = p.astype(DTYPE)
         operands.append(p_smem.at[wg, j])
       else:  # P stored transposed, [16, KEYS] (K-major), to share V's swizzle
         p_smem.at[wg, j].transpose((1, 0))[...] = p.astype(DTYPE)
         operands.append(p_smem.at[wg, j].transpose((1, 0)))
-      new[-1] = (acc,) + new[-1]
     plgpu.commit_smem()
     v_t = (plgpu.load(v_smem.transpose((1, 0)), layout=plgpu.Layout.WGMMA) if v_in_registers
            else v_smem.transpose((1, 0)))

@@ -165,7 +165,8 @@ def main():
     print(json.dumps({"selection": name, **estimate(np.asarray(ids)[0], num_blocks, args.singleton_cost)}), flush=True)
   for replaced in (1, 2, 4):
     ids = np.asarray(window_shared_selections(s, replaced))[0, s - n:]
-    print(json.dumps({"selection": f"window-shared, {replaced} private", **estimate(ids, num_blocks, args.singleton_cost)}), flush=True)
+    row = {"selection": f"window-shared, {replaced} private", **estimate(ids, num_blocks, args.singleton_cost)}
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
