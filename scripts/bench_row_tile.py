@@ -218,7 +218,7 @@ def build(kind: str, *, ctas: int, wgs: int, steps: int, optimized: bool = True)
   scale = D ** -0.5
   out_type = jax.ShapeDtypeStruct((ctas, wgs, ROWS[kind], D), jnp.float32)
   common = dict(
-      out_type=out_type, grid=(ctas,), grid_names=("cta",), num_threads=wgs, thread_name="wg",
+      grid=(ctas,), grid_names=("cta",), num_threads=wgs, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )
   if kind == "wgmma64":
@@ -231,11 +231,11 @@ def build(kind: str, *, ctas: int, wgs: int, steps: int, optimized: bool = True)
             plgpu.Barrier(num_arrivals=1, num_barriers=wgs),
             plgpu.Barrier(num_arrivals=2),
         ],
+        out_type=out_type,
         **common,
     )
     return jax.jit(kernel)
-  if kind.startswith("wgmmaT"):
-    common.pop("out_type")
+  if kind.startswith("wgmmaT"):  # the output comes back transposed, [..., pairs, D, 16]
     v_in_registers = kind != "wgmmaT16"
     pairs = ROWS[kind] // 16
     p_smem = (plgpu.SMEM((wgs, pairs, KEYS, 16), DTYPE,
@@ -264,6 +264,7 @@ def build(kind: str, *, ctas: int, wgs: int, steps: int, optimized: bool = True)
           plgpu.SMEM((wgs, 16, KEYS), DTYPE),
           plgpu.Barrier(num_arrivals=2),
       ],
+      out_type=out_type,
       **common,
   )
   return jax.jit(lambda q, k, v: kernel(q, k, v.T))

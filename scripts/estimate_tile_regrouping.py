@@ -51,15 +51,20 @@ def group_users(member: np.ndarray, order: np.ndarray) -> np.ndarray:
   return regrouped.reshape(n // GROUP, GROUP, g, nb).sum(1)
 
 
-def mean_union(member: np.ndarray, order: np.ndarray) -> float:
-  """Mean union size of consecutive GROUP-query groups after reordering queries by order [G, N]."""
-  return float((group_users(member, order) > 0).sum(-1).mean())
+def mean_union(users: np.ndarray) -> float:
+  """Mean union size of the groups of group_users."""
+  return float((users > 0).sum(-1).mean())
 
 
-def hybrid_steps(member: np.ndarray, order: np.ndarray, singleton_cost: float) -> float:
+def single_user_blocks(users: np.ndarray) -> float:
+  """Mean number of blocks in a group's union that only one of its GROUP queries uses (each costs a full
+  64-row wgmma step for 16 useful rows)."""
+  return float((users == 1).sum(-1).mean())
+
+
+def hybrid_steps(users: np.ndarray, singleton_cost: float) -> float:
   """Mean work per GROUP-query group, in 64-row steps, for a kernel that spends a 64-row step on each block
   2+ of the group's queries use and a 16-wide step costing `singleton_cost` on each block only one uses."""
-  users = group_users(member, order)
   return float(((users >= 2).sum(-1) + singleton_cost * (users == 1).sum(-1)).mean())
 
 
@@ -110,14 +115,6 @@ def minhash_order(member: np.ndarray, keys: int = 2, seed: int = 0) -> np.ndarra
   return order
 
 
-def single_user_blocks(member: np.ndarray) -> float:
-  """Mean number of blocks in a consecutive GROUP-query union that only one of the GROUP queries uses
-  (each costs a full 64-row wgmma step for 16 useful rows)."""
-  n, g, nb = member.shape
-  users = member.reshape(n // GROUP, GROUP, g, nb).sum(1)
-  return float((users == 1).sum(-1).mean())
-
-
 def per_block_packing(member: np.ndarray, window: int) -> float:
   """Work per GROUP queries (in 64-row steps) if, within each `window` queries, every block's users were
   packed GROUP at a time into its own steps: sum over blocks of ceil(users / GROUP), times GROUP / window.
@@ -130,19 +127,18 @@ def per_block_packing(member: np.ndarray, window: int) -> float:
 def estimate(ids: np.ndarray, num_blocks: int, singleton_cost: float = SINGLETON_COST) -> dict[str, float]:
   member = block_sets(ids, num_blocks)
   n, g, _ = member.shape
-  in_order = np.broadcast_to(np.arange(n), (g, n))
-  consecutive = mean_union(member, in_order)
-  greedy = greedy_order(member)
+  consecutive = group_users(member, np.broadcast_to(np.arange(n), (g, n)))
+  greedy = group_users(member, greedy_order(member))
   return {
-      "consecutive": round(consecutive, 2),
-      "single_user_blocks": round(single_user_blocks(member), 2),
+      "consecutive": round(mean_union(consecutive), 2),
+      "single_user_blocks": round(single_user_blocks(consecutive), 2),
       "best_split_of_8": round(best_split_union(member), 2),
-      "greedy_64_window": round(mean_union(member, greedy), 2),
-      "minhash_sort_64_window": round(mean_union(member, minhash_order(member)), 2),
+      "greedy_64_window": round(mean_union(greedy), 2),
+      "minhash_sort_64_window": round(mean_union(group_users(member, minhash_order(member))), 2),
       "per_block_packing_16": round(per_block_packing(member, 16), 2),
       "per_block_packing_64": round(per_block_packing(member, WINDOW), 2),
-      "hybrid_consecutive": round(hybrid_steps(member, in_order, singleton_cost), 2),
-      "hybrid_greedy_64_window": round(hybrid_steps(member, greedy, singleton_cost), 2),
+      "hybrid_consecutive": round(hybrid_steps(consecutive, singleton_cost), 2),
+      "hybrid_greedy_64_window": round(hybrid_steps(greedy, singleton_cost), 2),
   }
 
 
