@@ -2,12 +2,22 @@
 
 Random bf16 weights are initialised directly sharded (one jit with out_shardings: no host copy). Measures:
   * prefill: batch 1 x 8192-token prompt, time to first token and tokens/s per GPU;
-  * decode: 8K-token prompts then decode steps at concurrency 4 and 64: time per output token (median step)
-    and total output tokens/s per GPU;
+  * decode: caches holding 8K-token contexts, then decode steps at concurrency 4 and 64: time per output token
+    (TPOT) two ways -- the median of single steps, each synchronised with the host (sync), and the mean of
+    --decode-steps steps dispatched back to back, each feeding the next (chained, as a serving loop or
+    ``m3jax.generate``'s on-device loop runs them) -- and total output tokens/s per GPU;
 next to the published H200 figures for the same model and the weight-read roofline (bf16 weights touched per
 step / (GPUs x 4.3 TB/s)).
 
+Decode caches are filled with random keys / values / index keys by default (--fill random): a decode step
+reads the same bytes and selects the same number of blocks whatever the cached values, and a real prefill of
+64 x 8K tokens costs minutes. --fill prefill prefills them from random prompts, --fill-batch sequences at a
+time.
+
   8 GPUs:     PYTHONPATH=$PWD python3 scripts/bench_full.py --mesh tensor=8            (or expert=8, ...)
+  one shard:  XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 PYTHONPATH=$PWD python3 scripts/bench_full.py --one-shard 8
+              (one GPU: the work and memory of one GPU of an 8-way tensor-parallel split of the full model,
+              all 60 layers -- see shard_config; no collectives, so a lower bound on the 8-GPU times)
   dry run:    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
               PYTHONPATH=$PWD python3 scripts/bench_full.py --mesh tensor=8 --dry-run
               (lowers + compiles the sharded init of the full model and prints its per-device memory plan)
@@ -59,6 +69,32 @@ def model_config(layers: int | None, smoke: bool) -> M3Config:
   return M3Config(text=text)
 
 
+def shard_config(text: TextConfig, ways: int) -> TextConfig:
+  """The model one GPU computes in a ``ways``-way tensor-parallel split of ``text`` (as SGLang's TP8 splits M3).
+
+  Query heads, the dense / shared MLP widths, each routed expert's width and the vocabulary are divided by
+  ``ways``; KV and index heads too, with at least one per GPU (more ranks than KV heads replicate them, as
+  vLLM and m3jax.sharding do). Every routed expert stays (1/ways of each), so a decode step reads 1/ways of the
+  expert bytes the full model reads; m3jax's own meshes place whole experts instead (expert parallelism),
+  which reads the same bytes per GPU in expectation. Raises ValueError naming any width ``ways`` does not divide.
+  """
+  def split(name: str) -> int:
+    value = getattr(text, name)
+    if value % ways:
+      raise ValueError(f"--one-shard {ways}: {name} = {value} is not divisible by {ways}")
+    return value // ways
+
+  kv = max(1, text.num_kv_heads // ways)
+  if text.num_kv_heads > ways and text.num_kv_heads % ways:
+    raise ValueError(f"--one-shard {ways}: num_kv_heads = {text.num_kv_heads} is not divisible by {ways}")
+  if ways > text.num_kv_heads and ways % text.num_kv_heads:
+    raise ValueError(f"--one-shard {ways}: {ways} ranks cannot replicate {text.num_kv_heads} KV heads evenly")
+  return dataclasses.replace(
+      text, num_heads=split("num_heads"), num_kv_heads=kv, index_num_heads=kv,
+      intermediate_size=split("intermediate_size"), shared_intermediate_size=split("shared_intermediate_size"),
+      dense_intermediate_size=split("dense_intermediate_size"), vocab_size=split("vocab_size"))
+
+
 def sharded_init(cfg: M3Config, plan: sharding.ShardingPlan, kernels: str, dtype) -> tuple[M3ForCausalLM, object]:
   """(model with parameters created directly in their shards, the jitted init for inspection)."""
   abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, kernels=kernels))
@@ -88,31 +124,58 @@ def decode_weight_bytes(t: TextConfig, batch: int) -> float:
   return 2 * total
 
 
+def random_caches(graphdef, state, batch: int, cache_len: int):
+  """Per-layer caches of ``batch`` sequences x cache_len slots holding random N(0, 1) values, laid out by the
+  model's sharding plan (the model's init_caches, then each array refilled in place of its zeros)."""
+
+  @jax.jit
+  def fill(state):
+    model = nnx.merge(graphdef, state)
+    caches = model.init_caches(batch, cache_len)
+    leaves, tree = jax.tree.flatten(caches)
+    keys = jax.random.split(jax.random.key(batch), len(leaves))
+    leaves = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)]
+    with sharding.use_plan(model.sharding_plan):
+      return tuple(c.constrained() for c in jax.tree.unflatten(tree, leaves))
+
+  return fill(state)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8, expert=8, expert=4,tensor=2")
+  parser.add_argument("--one-shard", type=int, default=None, metavar="WAYS",
+                      help="run one GPU's share of a WAYS-way tensor-parallel split on one device (shard_config)")
   parser.add_argument("--layers", type=int, default=None, help="fewer layers (e.g. a 1-GPU run); default all 60")
   parser.add_argument("--kernels", default="auto")
   parser.add_argument("--dry-run", action="store_true", help="lower + compile the sharded init only")
   parser.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the whole flow)")
   parser.add_argument("--prompt", type=int, default=8192)
   parser.add_argument("--concurrency", default="4,64")
-  parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps (TPOT = their median)")
+  parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
+  parser.add_argument("--fill", choices=("random", "prefill"), default="random", help="how decode caches are filled")
+  parser.add_argument("--fill-batch", type=int, default=4, help="sequences per prefill call with --fill prefill")
+  parser.add_argument("--skip-prefill", action="store_true", help="decode only")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
 
   cfg = model_config(args.layers, args.smoke)
+  full_text = cfg.text
+  if args.one_shard:
+    cfg = dataclasses.replace(cfg, text=shard_config(cfg.text, args.one_shard))
   t = cfg.text
   dtype = jnp.float32 if args.smoke else jnp.bfloat16
-  mesh = sharding.make_mesh(args.mesh)
+  mesh = sharding.make_mesh("tensor=1" if args.one_shard else args.mesh)
   plan = sharding.ShardingPlan(mesh, sharding.RULES)
   sharding.check_config(cfg, mesh, plan.rules)
-  n_dev = mesh.size
+  # GPUs whose work one run stands for: the mesh, or the WAYS GPUs of the split one shard belongs to.
+  n_gpus = args.one_shard or mesh.size
   prompt = 64 if args.smoke else args.prompt
   concurrency = [int(c) for c in args.concurrency.split(",")]
   mem = plan_memory(cfg, mesh, batch=max(concurrency), context=prompt + 1024, dtype=dtype)
-  print(f"devices: {n_dev} x {jax.devices()[0].device_kind}; mesh {dict(mesh.shape)}; layers {t.num_layers}")
-  print(mem)
+  print(f"devices: {mesh.size} x {jax.devices()[0].device_kind}; mesh {dict(mesh.shape)}; layers {t.num_layers}"
+        + (f"; one GPU's shard of a {args.one_shard}-way tensor-parallel split" if args.one_shard else ""))
+  print("\n".join(mem.lines()))
 
   abstract, flat, keys, init = sharded_init(cfg, plan, args.kernels, dtype)
   n_params = sum(int(np.prod(var.shape)) for _, var in flat)
@@ -131,14 +194,23 @@ def main() -> None:
   jax.block_until_ready(arrays)
   for (path, var), k in zip(flat, keys):
     var.set_value(arrays[k])
+  del arrays
   model = nnx.merge(nnx.graphdef(abstract), nnx.from_flat_state(flat))
   model.sharding_plan = plan
-  print(f"sharded random init: {time.perf_counter() - start:.1f}s; per-device bytes "
-        f"{max(sharding.per_device_bytes(nnx.state(model)).values()) / 2**30:.1f} GiB")
+  per_device = max(sharding.per_device_bytes(nnx.state(model)).values())
+  print(f"sharded random init (compile included): {time.perf_counter() - start:.1f}s; per-device bytes "
+        f"{per_device / 2**30:.1f} GiB", flush=True)
   graphdef, state = nnx.split(model)
-  report: dict = {"mesh": dict(mesh.shape), "devices": n_dev, "layers": t.num_layers, "published": PUBLISHED}
+  report: dict = {"mesh": dict(mesh.shape), "devices": mesh.size, "gpus_represented": n_gpus,
+                  "one_shard_of": args.one_shard, "layers": t.num_layers, "parameters": n_params,
+                  "device_kind": jax.devices()[0].device_kind, "fill": args.fill, "published": PUBLISHED}
 
-  cache_len = -(-(prompt + 1024 + 1) // 128) * 128
+  def save() -> None:
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+  cache_len = -(-(prompt + args.decode_steps + 8) // 128) * 128
 
   @functools.partial(jax.jit, static_argnames=("cache_len",))
   def prefill(state, ids, lengths, cache_len):
@@ -148,31 +220,70 @@ def main() -> None:
   def step(state, tok, pos, caches):
     return _decode(nnx.merge(graphdef, state), tok, pos, caches)
 
+  @functools.partial(jax.jit, donate_argnames=("caches",))
+  def chained_step(state, tok, pos, caches, noise):
+    logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches)
+    # The next input depends on this step's logits (steps cannot overlap) but is spread over the vocabulary:
+    # greedy chains of random weights collapse onto repeated tokens, which touch fewer experts than real rows.
+    return (jnp.argmax(logits, -1).astype(jnp.int32) + noise) % t.vocab_size, pos + 1, caches
+
   put = functools.partial(sharding.put_replicated, plan=plan)
-  ids = put(np.asarray(jax.random.randint(jax.random.key(0), (1, prompt), 0, t.vocab_size), np.int32))
-  ms = timed_ms(lambda: prefill(state, ids, put(np.asarray([prompt], np.int32)), cache_len)[0], repeats=3)
-  report["prefill"] = {"ttft_ms": ms, "tok_s_per_gpu": prompt / ms * 1e3 / n_dev}
-  print(f"prefill {prompt} tokens: TTFT {ms:.1f} ms, {prompt / ms * 1e3 / n_dev:.0f} tok/s per GPU", flush=True)
+  if not args.skip_prefill:
+    ids = put(np.asarray(jax.random.randint(jax.random.key(0), (1, prompt), 0, t.vocab_size), np.int32))
+    start = time.perf_counter()
+    jax.block_until_ready(prefill(state, ids, put(np.asarray([prompt], np.int32)), cache_len))
+    compile_s = time.perf_counter() - start
+    ms = timed_ms(lambda: prefill(state, ids, put(np.asarray([prompt], np.int32)), cache_len)[0], repeats=3)
+    report["prefill"] = {"ttft_ms": ms, "tok_s_per_gpu": prompt / ms * 1e3 / n_gpus, "first_call_s": compile_s}
+    print(f"prefill {prompt} tokens: TTFT {ms:.1f} ms, {prompt / ms * 1e3 / n_gpus:.0f} tok/s per GPU "
+          f"(first call, compile included: {compile_s:.1f}s)", flush=True)
+    save()
 
   for c in concurrency:
-    batch_ids = put(np.asarray(jax.random.randint(jax.random.key(c), (c, prompt), 0, t.vocab_size), np.int32))
-    logits, caches = prefill(state, batch_ids, put(np.full((c,), prompt, np.int32)), cache_len)
-    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    start = time.perf_counter()
+    if args.fill == "random":
+      caches = random_caches(graphdef, state, c, cache_len)
+    else:
+      parts = []
+      for lo in range(0, c, args.fill_batch):
+        n = min(args.fill_batch, c - lo)
+        batch_ids = put(np.asarray(jax.random.randint(jax.random.key(c + lo), (n, prompt), 0, t.vocab_size),
+                                   np.int32))
+        parts.append(prefill(state, batch_ids, put(np.full((n,), prompt, np.int32)), cache_len)[1])
+      caches = jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *parts) if len(parts) > 1 else parts[0]
+      del parts
+    jax.block_until_ready(caches)
+    fill_s = time.perf_counter() - start
+    tok = put(np.asarray(jax.random.randint(jax.random.key(c), (c,), 0, t.vocab_size), np.int32))
+    pos = put(np.full((c,), prompt, np.int32))
     times = []
-    for i in range(args.decode_steps + 2):
-      start = time.perf_counter()
-      logits, caches = step(state, tok, put(np.full((c,), prompt + i, np.int32)), caches)
+    for i in range(args.decode_steps // 2 + 2):  # sync: each step waits for its logits on the host
+      begin = time.perf_counter()
+      logits, caches = step(state, tok, pos + i, caches)
       tok = jnp.argmax(logits, -1).astype(jnp.int32)
       tok.block_until_ready()
-      times.append((time.perf_counter() - start) * 1e3)
-    tpot = statistics.median(times[2:])
-    roof = decode_weight_bytes(t, c) / (n_dev * COPY_TBPS * 1e12) * 1e3
-    report[f"decode_c{c}"] = {"tpot_ms": tpot, "tok_s_per_gpu": c / tpot * 1e3 / n_dev, "roofline_ms": roof}
-    print(f"decode concurrency {c}: TPOT {tpot:.2f} ms (weight-read roofline {roof:.2f} ms), "
-          f"{c / tpot * 1e3 / n_dev:.0f} tok/s per GPU", flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(report, f, indent=2)
+      times.append((time.perf_counter() - begin) * 1e3)
+    sync = statistics.median(times[2:])
+    noise = put(np.asarray(jax.random.randint(jax.random.key(11), (args.decode_steps + 1, c), 0, t.vocab_size),
+                           np.int32))
+    pos = pos + len(times)
+    tok, pos, caches = chained_step(state, tok, pos, caches, noise[0])  # compile + warm
+    jax.block_until_ready(tok)
+    begin = time.perf_counter()
+    for i in range(args.decode_steps):
+      tok, pos, caches = chained_step(state, tok, pos, caches, noise[i + 1])
+    jax.block_until_ready(tok)
+    chained = (time.perf_counter() - begin) * 1e3 / args.decode_steps
+    del caches
+    roof = decode_weight_bytes(full_text, c) / (n_gpus * COPY_TBPS * 1e12) * 1e3
+    report[f"decode_c{c}"] = {"tpot_sync_ms": sync, "tpot_chained_ms": chained,
+                              "tok_s_per_gpu": c / chained * 1e3 / n_gpus, "roofline_ms": roof,
+                              "roofline_ratio": chained / roof, "fill_s": fill_s}
+    print(f"decode concurrency {c}: TPOT {chained:.2f} ms chained, {sync:.2f} ms one step + sync (weight-read "
+          f"roofline {roof:.2f} ms, x{chained / roof:.2f}), {c / chained * 1e3 / n_gpus:.0f} tok/s per GPU "
+          f"(cache fill {fill_s:.1f}s)", flush=True)
+    save()
+  save()
 
 
 if __name__ == "__main__":
