@@ -2,11 +2,14 @@
 interpreter), so a broken script is caught here and not after a device machine has started. Each test checks the
 script's JSON: every measurement present and the built-in correctness checks within bf16 / fp32 tolerances."""
 
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 REPO = pathlib.Path(__file__).parent.parent
 
@@ -111,6 +114,34 @@ def test_bench_full_smoke(tmp_path):
   assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
 
 
+def test_bench_full_one_shard_smoke(tmp_path):
+  """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for."""
+  out = tmp_path / "shard.json"
+  run_script("scripts/bench_full.py", "--smoke", "--one-shard", "2", "--decode-steps", "2", "--concurrency", "4",
+             "--out", str(out))
+  r = json.loads(out.read_text())
+  assert r["devices"] == 1 and r["gpus_represented"] == 2 and r["one_shard_of"] == 2
+  d = r["decode_c4"]
+  assert d["tpot_chained_ms"] > 0 and d["tok_s_per_gpu"] == pytest.approx(4 / d["tpot_chained_ms"] * 1e3 / 2)
+  assert r["prefill"]["tok_s_per_gpu"] == pytest.approx(64 / r["prefill"]["ttft_ms"] * 1e3 / 2)
+
+
+def test_shard_config_divides_widths_and_names_what_does_not_divide():
+  bench_full = _load_script("bench_full")
+  full = bench_full.model_config(None, False).text
+  shard = bench_full.shard_config(full, 8)
+  assert (shard.num_heads, shard.num_kv_heads, shard.index_num_heads) == (8, 1, 1)
+  assert (shard.intermediate_size, shard.shared_intermediate_size, shard.dense_intermediate_size) == (384, 384, 1536)
+  assert shard.vocab_size * 8 == full.vocab_size and shard.num_experts == full.num_experts
+  assert bench_full.shard_config(full, 2).num_kv_heads == 2
+  with pytest.raises(ValueError, match="num_kv_heads = 4 is not divisible by 3"):
+    bench_full.shard_config(full, 3)
+  with pytest.raises(ValueError, match="vocab_size = 200065 is not divisible by 8"):
+    bench_full.shard_config(dataclasses.replace(full, vocab_size=200065), 8)
+  with pytest.raises(ValueError, match="cannot replicate 4 KV heads"):
+    bench_full.shard_config(dataclasses.replace(full, num_heads=96, vocab_size=6 * 1000), 6)
+
+
 def _load_script(name: str):
   """scripts/<name>.py as a module (the repo root and scripts/ on sys.path for its imports)."""
   import importlib.util
@@ -196,6 +227,8 @@ def test_bench_row_tile_kernels_lower_for_cuda():
   Mosaic GPU lowering, layout inference included, runs on the CPU: every kind must get through it."""
   code = """
 import sys
+
+import pytest
 sys.path.insert(0, "scripts")
 import bench_row_tile as b
 for kind in b.ROWS:
