@@ -175,6 +175,7 @@ def main() -> None:
   parser.add_argument("--fill", choices=("random", "prefill"), default="random", help="how decode caches are filled")
   parser.add_argument("--fill-batch", type=int, default=4, help="sequences per prefill call with --fill prefill")
   parser.add_argument("--skip-prefill", action="store_true", help="decode only")
+  parser.add_argument("--profile", action="store_true", help="GPU time per kernel of one decode step (CUPTI)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
 
@@ -290,12 +291,19 @@ def main() -> None:
       tok, pos, caches = chained_step(state, tok, pos, caches, noise[1 + steps + i])
     jax.block_until_ready(tok)
     chained = (time.perf_counter() - begin) * 1e3 / args.decode_steps
+    prof = None
+    if args.profile and jax.default_backend() == "gpu":
+      from bench_generate import kernel_profile  # pylint: disable=g-import-not-at-top
+
+      prof = kernel_profile(chained_step, state, tok, pos, caches, noise[0])  # donates (consumes) the caches
+      print(f"decode concurrency {c} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by "
+            "name (launches, us):", *(f"  {row}" for row in prof["by_name"]), sep="\n", flush=True)
     del caches
     roof = decode_weight_bytes(full_text, c) / (n_gpus * COPY_TBPS * 1e12) * 1e3
     report[f"decode_c{c}"] = {"tpot_sync_ms": sync, "tpot_chained_ms": chained,
                               "tok_s_per_gpu": c / chained * 1e3 / n_gpus, "roofline_ms": roof,
                               "roofline_ratio": chained / roof, "fill_s": fill_s,
-                              "first_step_s": first_s}
+                              "first_step_s": first_s, "profile": prof}
     print(f"decode concurrency {c}: TPOT {chained:.2f} ms chained, {sync:.2f} ms one step + sync (weight-read "
           f"roofline {roof:.2f} ms, x{chained / roof:.2f}), {c / chained * 1e3 / n_gpus:.0f} tok/s per GPU "
           f"(cache fill {fill_s:.1f}s, first step with compile {first_s:.1f}s)", flush=True)
