@@ -304,7 +304,9 @@ def main() -> None:
 
       # The profiler calls the step more than once; the step donates its caches, so each call gets a copy
       # (the copies appear in the profile as their own launches).
-      prof = kernel_profile(lambda: chained_step(state, tok, pos, jax.tree.map(jnp.copy, caches), noise[0]))
+      # Arguments, not closures: a closed-over state would be captured as ~100 GB of constants.
+      prof = kernel_profile(lambda st, tk, ps, cs, nz: chained_step(st, tk, ps, jax.tree.map(jnp.copy, cs), nz),
+                            state, tok, pos, caches, noise[0])
       report[f"decode_c{c}"]["profile"] = prof
       print(f"decode concurrency {c} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by "
             "name (launches, us):", *(f"  {row}" for row in prof["by_name"]), sep="\n", flush=True)
