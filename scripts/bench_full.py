@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax import sharding
+from m3jax.cache import LayerCache
 from m3jax.config import M3Config, TextConfig, m3_full
 from m3jax.generate import _decode, _prefill
 from bench_common import timed_ms
@@ -116,9 +117,10 @@ def sharded_init(cfg: M3Config, plan: sharding.ShardingPlan, kernels: str, dtype
 
 
 @functools.lru_cache(maxsize=None)
-def _normal_leaf(shape: tuple[int, ...], dtype: jnp.dtype, out_sharding) -> object:
-  """A jitted key -> N(0, 0.02^2) array of shape / dtype created directly in out_sharding (make_param's init)."""
-  return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype),
+def _normal_leaf(shape: tuple[int, ...], dtype: jnp.dtype, out_sharding, std: float = 0.02) -> object:
+  """A jitted key -> N(0, std^2) array of shape / dtype created directly in out_sharding (std 0.02: make_param's
+  init)."""
+  return jax.jit(lambda key: jax.random.normal(key, shape, dtype) * jnp.asarray(std, dtype),
                  out_shardings=out_sharding)
 
 
@@ -143,21 +145,22 @@ def decode_weight_bytes(t: TextConfig, batch: int) -> float:
   return 2 * total
 
 
-def random_caches(graphdef, state, batch: int, cache_len: int):
-  """Per-layer caches of ``batch`` sequences x cache_len slots holding random N(0, 1) values, laid out by the
-  model's sharding plan (the model's init_caches, then each array refilled in place of its zeros)."""
+def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int, cache_len: int):
+  """The model's per-layer caches (``init_caches``' shapes, dtypes and layout under ``plan``) for ``batch``
+  sequences x cache_len slots, holding random N(0, 1) values; each array is drawn by a per-shape jit, as the
+  parameters are (one jit over all 60 layers' caches took about two minutes to compile on the GPU host)."""
+  abstract = jax.eval_shape(lambda: model.init_caches(batch, cache_len))
+  base = jax.random.key(batch)
 
-  @jax.jit
-  def fill(state):
-    model = nnx.merge(graphdef, state)
-    caches = model.init_caches(batch, cache_len)
-    leaves, tree = jax.tree.flatten(caches)
-    keys = jax.random.split(jax.random.key(batch), len(leaves))
-    leaves = [jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype) for k, x in zip(keys, leaves)]
-    with sharding.use_plan(model.sharding_plan):
-      return tuple(c.constrained() for c in jax.tree.unflatten(tree, leaves))
+  def draw(i: int, names: tuple[str, ...], x) -> jax.Array:
+    make = _normal_leaf(tuple(x.shape), jnp.dtype(x.dtype), plan.sharding(names, x.shape), 1.0)
+    return make(jax.random.fold_in(base, i))
 
-  return fill(state)
+  return tuple(
+      LayerCache(**{field: None if getattr(c, field) is None else draw(3 * i + j, LayerCache.LOGICAL_AXES[field],
+                                                                        getattr(c, field))
+                    for j, field in enumerate(("k", "v", "idx_k"))})
+      for i, c in enumerate(abstract))
 
 
 def main() -> None:
@@ -256,7 +259,7 @@ def main() -> None:
   for c in concurrency:
     start = time.perf_counter()
     if args.fill == "random":
-      caches = random_caches(graphdef, state, c, cache_len)
+      caches = random_caches(model, plan, c, cache_len)
     else:
       parts = []
       for lo in range(0, c, args.fill_batch):
@@ -290,7 +293,7 @@ def main() -> None:
     for i in range(steps):  # chained: dispatched back to back, one wait at the end
       tok, pos, caches = chained_step(state, tok, pos, caches, noise[1 + steps + i])
     jax.block_until_ready(tok)
-    chained = (time.perf_counter() - begin) * 1e3 / args.decode_steps
+    chained = (time.perf_counter() - begin) * 1e3 / steps
     roof = decode_weight_bytes(full_text, c) / (n_gpus * COPY_TBPS * 1e12) * 1e3
     report[f"decode_c{c}"] = {"tpot_sync_ms": sync, "tpot_chained_ms": chained,
                               "tok_s_per_gpu": c / chained * 1e3 / n_gpus, "roofline_ms": roof,
