@@ -46,6 +46,7 @@ from m3jax.generate import _decode, _prefill
 from bench_common import timed_ms
 from m3jax.model import M3ForCausalLM
 from m3jax.parallel.memory import plan_memory
+from m3jax.research import Collect
 
 COPY_TBPS = 4.3
 PUBLISHED = {  # H200, same model (issue text)
@@ -131,18 +132,43 @@ def random_params(flat, keys, out_shardings, seed: int = 0) -> None:
     var.set_value(_normal_leaf(tuple(var.shape), jnp.dtype(var.dtype), out_shardings[k])(jax.random.fold_in(base, i)))
 
 
-def decode_weight_bytes(t: TextConfig, batch: int) -> float:
-  """bf16 weights one decode step reads (expected distinct experts under uniform routing), all GPUs together."""
+def decode_weight_bytes(t: TextConfig, batch: int, distinct_experts: list[float] | None = None) -> float:
+  """bf16 weights one decode step reads, all GPUs together: the experts each MoE layer touches are
+  ``distinct_experts`` (one count per MoE layer, e.g. measured by routed_expert_counts) or, by default, the
+  expected number of distinct experts under uniform routing."""
   h = t.hidden_size
   attn = h * (2 * t.num_heads * t.head_dim + 2 * t.num_kv_heads * t.head_dim)
   idx = h * (t.index_num_heads + 1) * t.index_head_dim
-  distinct = t.num_experts * (1 - (1 - t.num_experts_per_tok / t.num_experts) ** batch)
+  uniform = t.num_experts * (1 - (1 - t.num_experts_per_tok / t.num_experts) ** batch)
+  counts = iter(distinct_experts) if distinct_experts is not None else None
   total = h * t.vocab_size
   for kind, mlp in zip(t.attention_types, t.mlp_types):
     total += attn + (idx if kind == "sparse" else 0)
-    total += (3 * h * t.dense_intermediate_size if mlp == "dense"
-              else 3 * h * (t.shared_intermediate_size + distinct * t.intermediate_size))
+    if mlp == "dense":
+      total += 3 * h * t.dense_intermediate_size
+    else:
+      distinct = uniform if counts is None else next(counts)
+      total += 3 * h * (t.shared_intermediate_size + distinct * t.intermediate_size)
   return 2 * total
+
+
+def routed_expert_counts(graphdef, state, tok, pos, caches) -> tuple[list[int], tuple]:
+  """(distinct experts each MoE layer routes this decode batch to, the caches): one decode forward with the
+  routing recorded; the caches are donated and returned (updated at ``pos``, as the next step would)."""
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def distinct(state, tok, pos, caches):
+    out = nnx.merge(graphdef, state).forward(tok[:, None], positions=pos[:, None], caches=caches,
+                                             collect=Collect(routing=True))
+    counts = []
+    for record in out.intermediates:
+      if "expert_ids" in record:
+        used = jnp.zeros(record["router_logits"].shape[-1:], jnp.int32).at[record["expert_ids"].reshape(-1)].set(1)
+        counts.append(used.sum())
+    return jnp.stack(counts), out.caches
+
+  counts, caches = distinct(state, tok, pos, caches)
+  return [int(c) for c in np.asarray(counts)], caches
 
 
 def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int, cache_len: int):
@@ -163,6 +189,59 @@ def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int,
       for i, c in enumerate(abstract))
 
 
+def _call_times(step, args: tuple, donated: int, noise) -> tuple[object, dict]:
+  """Host dispatch, chained and synchronised ms per call of ``step(*args, noise[i])``, whose outputs replace
+  args[1:] (args[donated] is donated). Returns the final args[donated] and the times."""
+  fixed, carry = args[0], args[1:]
+
+  def run(i):
+    nonlocal carry
+    carry = step(fixed, *carry, noise[i % len(noise)])
+
+  run(0)
+  jax.block_until_ready(carry)
+  sync = []
+  for i in range(len(noise)):
+    begin = time.perf_counter()
+    run(i)
+    jax.block_until_ready(carry[0])
+    sync.append((time.perf_counter() - begin) * 1e3)
+  begin = time.perf_counter()
+  for i in range(len(noise)):
+    run(i)
+  dispatch = (time.perf_counter() - begin) * 1e3 / len(noise)
+  jax.block_until_ready(carry)
+  chained = (time.perf_counter() - begin) * 1e3 / len(noise)
+  return carry[donated - 1], {"dispatch_ms": dispatch, "chained_ms": chained, "sync_ms": statistics.median(sync)}
+
+
+def dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise) -> tuple[object, dict]:
+  """Where a decode step's host time goes: the real step with the state and caches as pytrees (nnx.State,
+  LayerCache) or as flat lists of arrays, and a no-op step over the same arguments (caches donated and
+  returned, so it launches ~nothing). Returns the caches (donated through every call) and ms per call."""
+  state_leaves, state_def = jax.tree.flatten(state)
+  cache_leaves, cache_def = jax.tree.flatten(caches)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def flat_step(state_leaves, tok, pos, cache_leaves, noise):
+    tok, pos, new = chained_step.__wrapped__(jax.tree.unflatten(state_def, state_leaves), tok, pos,
+                                             jax.tree.unflatten(cache_def, cache_leaves), noise)
+    return tok, pos, jax.tree.leaves(new)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def noop(state, tok, pos, caches, noise):
+    return tok + noise, pos + 1, caches
+
+  out = {}
+  caches, out["step, pytrees"] = _call_times(chained_step, (state, tok, pos, caches), 3, noise)
+  cache_leaves = jax.tree.leaves(caches)
+  cache_leaves, out["step, flat lists"] = _call_times(flat_step, (state_leaves, tok, pos, cache_leaves), 3, noise)
+  cache_leaves, out["no-op, flat lists"] = _call_times(noop, (state_leaves, tok, pos, cache_leaves), 3, noise)
+  caches = jax.tree.unflatten(cache_def, cache_leaves)
+  caches, out["no-op, pytrees"] = _call_times(noop, (state, tok, pos, caches), 3, noise)
+  return caches, out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8, expert=8, expert=4,tensor=2")
@@ -179,6 +258,8 @@ def main() -> None:
   parser.add_argument("--fill-batch", type=int, default=4, help="sequences per prefill call with --fill prefill")
   parser.add_argument("--skip-prefill", action="store_true", help="decode only")
   parser.add_argument("--profile", action="store_true", help="GPU time per kernel of one decode step (CUPTI)")
+  parser.add_argument("--dispatch-probe", action="store_true",
+                      help="split a decode step's host time: no-op steps over the same arguments, flat or as pytrees")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
 
@@ -244,6 +325,14 @@ def main() -> None:
     nxt = (jnp.argmax(logits, -1).astype(jnp.int32) + noise) % t.vocab_size
     return sharding.replicated(nxt, plan), sharding.replicated(pos + 1, plan), caches
 
+  @functools.partial(jax.jit, donate_argnames=("caches",))
+  def looped_steps(state, tok, pos, caches, noise):
+    """len(noise) chained decode steps in one program (a lax.fori_loop, as ``m3jax.generate`` runs them):
+    the host dispatches once, so per-call argument handling and launch costs are paid once."""
+    def body(i, carry):
+      return chained_step.__wrapped__(state, *carry, noise[i])
+    return jax.lax.fori_loop(0, noise.shape[0], body, (tok, pos, caches))
+
   put = functools.partial(sharding.put_replicated, plan=plan)
   if not args.skip_prefill:
     ids = put(np.asarray(jax.random.randint(jax.random.key(0), (1, prompt), 0, t.vocab_size), np.int32))
@@ -295,15 +384,40 @@ def main() -> None:
     dispatch = (time.perf_counter() - begin) * 1e3 / steps  # host time per call, if the queue never blocks
     jax.block_until_ready(tok)
     chained = (time.perf_counter() - begin) * 1e3 / steps
+    # On-device loop: compile + warm once, then time one call of `steps` steps.
+    begin = time.perf_counter()
+    tok, pos, caches = looped_steps(state, tok, pos, caches, noise[1:1 + steps])
+    jax.block_until_ready(tok)
+    loop_first_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    tok, pos, caches = looped_steps(state, tok, pos, caches, noise[1 + steps:1 + 2 * steps])
+    jax.block_until_ready(tok)
+    looped = (time.perf_counter() - begin) * 1e3 / steps
     roof = decode_weight_bytes(full_text, c) / (n_gpus * COPY_TBPS * 1e12) * 1e3
+    # Random weights need not route uniformly: the roofline of the experts this batch actually touches.
+    counts, caches = routed_expert_counts(graphdef, state, tok, pos, caches)
+    # A shard holds every expert at 1/WAYS of its width, so the counts carry over to the full model.
+    routed_roof = decode_weight_bytes(full_text, c, counts) / (n_gpus * COPY_TBPS * 1e12) * 1e3
     report[f"decode_c{c}"] = {"tpot_sync_ms": sync, "tpot_chained_ms": chained, "dispatch_ms": dispatch,
+                              "tpot_looped_ms": looped, "looped_first_call_s": loop_first_s,
                               "tok_s_per_gpu": c / chained * 1e3 / n_gpus, "roofline_ms": roof,
                               "roofline_ratio": chained / roof, "fill_s": fill_s,
+                              "distinct_experts_mean": statistics.mean(counts) if counts else None,
+                              "routed_roofline_ms": routed_roof, "looped_routed_roofline_ratio": looped / routed_roof,
                               "first_step_s": first_s}
     print(f"decode concurrency {c}: TPOT {chained:.2f} ms chained, {sync:.2f} ms one step + sync (weight-read "
-          f"roofline {roof:.2f} ms, x{chained / roof:.2f}; host dispatch {dispatch:.2f} ms per call), "
+          f"roofline {roof:.2f} ms, x{chained / roof:.2f}; host dispatch {dispatch:.2f} ms per call); {looped:.2f} ms "
+          f"per step in an on-device loop of {steps} (x{looped / roof:.2f}; x{looped / routed_roof:.2f} of the "
+          f"{routed_roof:.2f} ms roofline of the {statistics.mean(counts) if counts else 0:.1f} experts per layer "
+          f"this batch routes to), "
           f"{c / chained * 1e3 / n_gpus:.0f} tok/s per GPU "
           f"(cache fill {fill_s:.1f}s, first step with compile {first_s:.1f}s)", flush=True)
+    if args.dispatch_probe:
+      caches, probe = dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise[1:1 + steps])
+      report[f"decode_c{c}"]["dispatch_probe"] = probe
+      print(f"decode concurrency {c} dispatch probe (ms per call: host dispatch / chained / sync):",
+            *(f"  {name}: {r['dispatch_ms']:.2f} / {r['chained_ms']:.2f} / {r['sync_ms']:.2f}"
+              for name, r in probe.items()), sep="\n", flush=True)
     if args.profile and jax.default_backend() == "gpu" and c == concurrency[0]:
       from bench_generate import kernel_profile  # pylint: disable=g-import-not-at-top
 

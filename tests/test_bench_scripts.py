@@ -9,6 +9,9 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).parent.parent
@@ -118,12 +121,50 @@ def test_bench_full_one_shard_smoke(tmp_path):
   """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for."""
   out = tmp_path / "shard.json"
   run_script("scripts/bench_full.py", "--smoke", "--one-shard", "2", "--decode-steps", "2", "--concurrency", "4",
-             "--out", str(out))
+             "--dispatch-probe", "--out", str(out))
   r = json.loads(out.read_text())
   assert r["devices"] == 1 and r["gpus_represented"] == 2 and r["one_shard_of"] == 2
   d = r["decode_c4"]
   assert d["tpot_chained_ms"] > 0 and d["tok_s_per_gpu"] == pytest.approx(4 / d["tpot_chained_ms"] * 1e3 / 2)
+  assert d["tpot_looped_ms"] > 0
   assert r["prefill"]["tok_s_per_gpu"] == pytest.approx(64 / r["prefill"]["ttft_ms"] * 1e3 / 2)
+  # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 2..8 experts
+  assert 2 <= d["distinct_experts_mean"] <= 8 and d["routed_roofline_ms"] > 0
+  assert set(d["dispatch_probe"]) == {"step, pytrees", "step, flat lists", "no-op, flat lists", "no-op, pytrees"}
+  assert all(v["chained_ms"] > 0 and v["sync_ms"] > 0 for v in d["dispatch_probe"].values())
+
+
+def test_decode_weight_bytes_counts_the_experts_touched():
+  """Uniform routing's expected count by default; measured counts replace it layer by layer."""
+  bench_full = _load_script("bench_full")
+  t = bench_full.model_config(None, True).text  # 1 dense + 3 MoE layers, 8 experts of width 32, hidden 64
+  per_expert = 2 * 3 * t.hidden_size * t.intermediate_size
+  none = bench_full.decode_weight_bytes(t, 4, [0, 0, 0])
+  assert bench_full.decode_weight_bytes(t, 4, [1, 2, 3]) == none + 6 * per_expert
+  assert bench_full.decode_weight_bytes(t, 4, [8, 8, 8]) == none + 24 * per_expert
+  uniform = 8 * (1 - (1 - 2 / 8) ** 4)
+  assert bench_full.decode_weight_bytes(t, 4) == pytest.approx(none + 3 * uniform * per_expert)
+
+
+def test_routed_expert_counts_match_the_recorded_routing():
+  """The decode-batch expert count equals the distinct expert_ids the model records for the same step."""
+  from flax import nnx
+  from m3jax.model import M3ForCausalLM
+  from m3jax.research import Collect
+
+  bench_full = _load_script("bench_full")
+  cfg = bench_full.model_config(None, True)
+  model = M3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+  b, length = 6, 32
+  tok = jax.random.randint(jax.random.key(1), (b,), 0, cfg.text.vocab_size, jnp.int32)
+  pos = jnp.full((b,), 5, jnp.int32)
+  expected = [len(np.unique(np.asarray(rec["expert_ids"])))
+              for rec in model.forward(tok[:, None], positions=pos[:, None], caches=model.init_caches(b, length),
+                                       collect=Collect(routing=True)).intermediates if "expert_ids" in rec]
+  graphdef, state = nnx.split(model)
+  fresh = jax.tree.map(jnp.copy, model.init_caches(b, length))  # distinct buffers: they are donated
+  counts, caches = bench_full.routed_expert_counts(graphdef, state, tok, pos, fresh)
+  assert counts == expected and len(counts) == 3 and len(caches) == cfg.text.num_layers
 
 
 def test_shard_config_divides_widths_and_names_what_does_not_divide():
@@ -228,6 +269,9 @@ def test_bench_row_tile_kernels_lower_for_cuda():
   code = """
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 sys.path.insert(0, "scripts")
 import bench_row_tile as b
