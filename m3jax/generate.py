@@ -203,10 +203,79 @@ def _prefill_jit(graphdef, state, prompt, lengths, embeds, *, cache_len: int):
   return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len, embeds)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "sampling"), donate_argnames=("caches",))
-def _decode_jit(graphdef, state, logits, caches, positions, key, *, sampling: SamplingParams):
-  """Samples from ``logits`` and runs one decode step: -> (tokens [B], next logits [B, V], caches)."""
-  model = nnx.merge(graphdef, state)
+class _GraphKey:
+  """A model's nnx graph and the tree structure of its parameters, as one jit static argument whose hash is
+  computed once: hashing the GraphDef of full M3 takes milliseconds, which jit would pay on every call."""
+
+  __slots__ = ("graphdef", "treedef", "_hash")
+
+  def __init__(self, graphdef, treedef):
+    self.graphdef, self.treedef = graphdef, treedef
+    self._hash = hash((graphdef, treedef))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return (isinstance(other, _GraphKey) and self._hash == other._hash and self.treedef == other.treedef
+            and self.graphdef == other.graphdef)
+
+  def merge(self, params: tuple[jax.Array, ...]) -> M3ForCausalLM:
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+  """A model prepared once for a loop of decode steps (see ``decode_step`` for one step).
+
+  Each jitted call hands over the parameters as a flat tuple of arrays with a pre-hashed graph, instead of
+  splitting the module graph (``nnx.split`` of a 60-layer model takes tens of ms) and flattening an nnx.State
+  on every step. ``Decoder.of(model).step(...)`` per token is what ``generate_stream`` does; ``generate`` runs
+  its whole loop on the device and pays no per-step host cost at all.
+  """
+
+  graph: _GraphKey
+  params: tuple[jax.Array, ...]
+  plan: sharding.ShardingPlan | None
+
+  @classmethod
+  def of(cls, model: M3ForCausalLM) -> Decoder:
+    graphdef, state = nnx.split(model)
+    params, treedef = jax.tree.flatten(state)
+    return cls(_GraphKey(graphdef, treedef), tuple(params), model.sharding_plan)
+
+  def put(self, x) -> jax.Array:
+    """Host value -> jax.Array replicated over the model's mesh."""
+    return sharding.put_replicated(x, plan=self.plan)
+
+  def step(self, tokens: jax.Array | np.ndarray, positions: jax.Array | np.ndarray, caches: tuple
+           ) -> tuple[jax.Array, tuple]:
+    """tokens int32 [B] written at positions int32 [B] (each sequence's own) -> (next-token logits fp32
+    [B, V], updated caches). The input caches are donated (do not reuse them)."""
+    tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
+    if tokens.shape != positions.shape or tokens.ndim != 1:
+      raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must both be [batch]")
+    max_len = caches[0].max_length
+    if positions.max() >= max_len:
+      raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
+    return _decode_step_jit(self.graph, self.params, self.put(tokens), self.put(positions), caches)
+
+  def sample_and_step(self, logits: jax.Array, caches: tuple, positions: np.ndarray, key: jax.Array,
+                      sampling: SamplingParams) -> tuple[jax.Array, jax.Array, tuple]:
+    """Samples tokens [B] from ``logits`` and decodes them at ``positions``: -> (tokens [B], next logits
+    [B, V], caches). The input caches are donated."""
+    return _sample_decode_jit(self.graph, self.params, logits, caches, self.put(positions), self.put(key),
+                              sampling=sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("caches",))
+def _decode_step_jit(graph: _GraphKey, params, tokens, positions, caches):
+  return _decode(graph.merge(params), tokens, positions, caches)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "sampling"), donate_argnames=("caches",))
+def _sample_decode_jit(graph: _GraphKey, params, logits, caches, positions, key, *, sampling: SamplingParams):
+  model = graph.merge(params)
   tok = sample(logits, key, sampling)
   logits, caches = _decode(model, tok, positions, caches)
   return sharding.replicated(tok, model.sharding_plan), logits, caches
@@ -265,14 +334,12 @@ def generate_stream(
   if timings is not None:
     logits.block_until_ready()
     timings["prefill_s"] = time.perf_counter() - start
-  graphdef, state = nnx.split(model)
-  put = _put_fn(model)
+  decoder = Decoder.of(model)
   key = jax.random.key(seed)
   done = np.zeros(len(lengths), bool)
   for step in range(max_new_tokens):
     key, sub = jax.random.split(key)
-    tok, logits, caches = _decode_jit(graphdef, state, logits, caches, put(lengths + step), put(sub),
-                                      sampling=sampling)
+    tok, logits, caches = decoder.sample_and_step(logits, caches, lengths + step, sub, sampling)
     tok = np.asarray(tok)
     out = np.where(done, -1, tok).astype(np.int32)
     done |= np.isin(tok, list(eos))
@@ -281,21 +348,12 @@ def generate_stream(
       return
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
-def _decode_step_jit(graphdef, state, tokens, positions, caches):
-  return _decode(nnx.merge(graphdef, state), tokens, positions, caches)
-
-
 def decode_step(model: M3ForCausalLM, tokens: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,
                 caches: tuple) -> tuple[jax.Array, tuple]:
   """One jit-compiled decode step: tokens int32 [B] written at positions int32 [B] (each sequence's own) ->
-  (next-token logits fp32 [B, V], updated caches). The input caches are donated (do not reuse them)."""
-  tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
-  if tokens.shape != positions.shape or tokens.ndim != 1:
-    raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must both be [batch]")
-  max_len = caches[0].max_length
-  if positions.max() >= max_len:
-    raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
-  graphdef, state = nnx.split(model)
-  put = _put_fn(model)
-  return _decode_step_jit(graphdef, state, put(tokens), put(positions), caches)
+  (next-token logits fp32 [B, V], updated caches). The input caches are donated (do not reuse them).
+
+  This prepares the model on every call (``Decoder.of``: tens of ms of host time at full depth); a loop
+  should make one ``Decoder`` and call its ``step``.
+  """
+  return Decoder.of(model).step(tokens, positions, caches)

@@ -172,3 +172,30 @@ def test_prefill_and_decode_step_reproduce_generate(models):
                                 generate(model, prompts, max_new_tokens=10, eos_token_ids=()).tokens)
   with pytest.raises(ValueError, match="beyond the cache"):
     m3jax.decode_step(model, tok, np.full(2, 10_000), caches)
+
+
+def test_decoder_steps_reproduce_generate_and_compile_once(models):
+  """A Decoder made once drives the same tokens as generate; a second Decoder of the same model (or a
+  decode_step call) reuses the compiled step instead of recompiling."""
+  from m3jax.generate import _decode_step_jit
+
+  model = models["flat_b16"]
+  _, prompts = _prompts("flat_b16")
+  state = m3jax.prefill(model, prompts, max_new_tokens=6)
+  decoder = m3jax.Decoder.of(model)
+  caches, tokens = state.caches, []
+  tok = np.asarray(jnp.argmax(state.logits, -1), np.int32)
+  for step in range(6):
+    tokens.append(tok)
+    logits, caches = decoder.step(tok, state.lengths + step, caches)
+    tok = np.asarray(jnp.argmax(logits, -1), np.int32)
+  np.testing.assert_array_equal(np.stack(tokens, 1),
+                                generate(model, prompts, max_new_tokens=6, eos_token_ids=()).tokens)
+  compiled = _decode_step_jit._cache_size()
+  again = m3jax.Decoder.of(model)
+  assert again.graph == decoder.graph and again.graph is not decoder.graph
+  logits, caches = again.step(tok, state.lengths + 6, caches)
+  logits, caches = m3jax.decode_step(model, tok, state.lengths + 7, caches)
+  assert _decode_step_jit._cache_size() == compiled
+  with pytest.raises(ValueError, match=r"must both be \[batch\]"):
+    decoder.step(tok[None], state.lengths[None], caches)
