@@ -168,8 +168,7 @@ def bench_decode(t: int, w, key, args, block_sizes=None, tag="") -> dict:
   nbytes = (touched + 1) * 3 * H * I * 2  # routed experts touched + shared expert, bf16
   r.update(touched_experts=touched, weight_gb=nbytes / 1e9)
   kw = dict(KW, block_sizes=block_sizes)
-  if not tag:
-    safe(r, "check_rel_err,max_abs", lambda: rel_err(moe_block(*a, **kw), moe_block_reference(*a, **KW)))
+  safe(r, "check_rel_err,max_abs", lambda: rel_err(moe_block(*a, **kw), moe_block_reference(*a, **KW)))
   safe(r, "kernel_ms", lambda: 1e3 * timeit(functools.partial(moe_block, **kw), *a, reps=args.reps * 3))
   if not tag:
     safe(r, "reference_ms", lambda: 1e3 * timeit(functools.partial(moe_block_reference, **KW), *a,
@@ -318,10 +317,19 @@ def main():
   p.add_argument("--fp32-check", action="store_true", help="small-dim fp32 (bf16x3) check")
   p.add_argument("--out", default=None)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, GPU interpreter")
+  p.add_argument("--expert-width", type=int, default=None,
+                 help="routed and shared expert width instead of 3072, e.g. 384 = one GPU's slice in a "
+                      "tensor-parallel 8-way split")
+  p.add_argument("--decode-tiles", default="",
+                 help="extra decode rows with other tiles: comma-separated GATE_BN/DOWN_BN/STAGES (block_m 64, "
+                      "wg_split n), e.g. 64/256/5,64/128/6,128/128/6")
   args = p.parse_args()
+  global H, I, E, IS
   if args.tiny:
-    global H, I, E, IS
     H, I, E, IS = 256, 128, 8, 128
+  if args.expert_width:
+    I = IS = args.expert_width
+  if args.tiny:
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
     with plgpu.force_gpu_interpret_mode():
       return run(args)
@@ -333,7 +341,8 @@ def run(args):
   key = jax.random.key(0)
   w = make_weights(key)
   jax.block_until_ready(w)
-  res = {"device": str(jax.devices()[0].device_kind), "edge": {}, "prefill": [], "decode": []}
+  res = {"device": str(jax.devices()[0].device_kind), "dims": {"H": H, "I": I, "E": E, "IS": IS}, "edge": {},
+         "prefill": [], "decode": []}
 
   def dump():
     if args.out:
@@ -355,6 +364,12 @@ def run(args):
     if args.decode_stack:
       res.setdefault("decode_stack", []).append(stacked_blocks(t, w, jax.random.key(100 + t), args,
                                                                args.decode_stack))
+      dump()
+    for spec in [v for v in args.decode_tiles.split(",") if v]:
+      gate_bn, down_bn, stages = (int(v) for v in spec.split("/"))
+      bs = (MoeBlockSizes(block_m=64, block_n=gate_bn, max_concurrent_steps=stages, wg_split="n"),
+            MoeBlockSizes(block_m=64, block_n=down_bn, max_concurrent_steps=stages, wg_split="n"))
+      res["decode"].append(bench_decode(t, w, jax.random.key(t), args, bs, tag=f"bn{gate_bn}/{down_bn} st{stages}"))
       dump()
     if args.variants and t == 64:
       bs = (MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=6, wg_split="n"),

@@ -55,6 +55,19 @@ def test_bench_moe_tiny(tmp_path):
     assert isinstance(prefill[key], float), (key, prefill[key])
 
 
+def test_bench_moe_tiny_narrow_experts_and_decode_tiles(tmp_path):
+  """--expert-width (a tensor-parallel slice) and --decode-tiles rows: each variant checked against the reference."""
+  out = tmp_path / "moe.json"
+  run_script("scripts/bench_moe.py", "--tiny", "--no-edge", "--decode", "2", "--prefill", "", "--reps", "1",
+             "--expert-width", "64", "--decode-tiles", "64/128/3", "--out", str(out))
+  r = json.loads(out.read_text())
+  assert r["dims"]["I"] == r["dims"]["IS"] == 64
+  heuristic, variant = r["decode"]
+  assert heuristic["tiles"] == "heuristic" and variant["tiles"] == "bn64/128 st3"
+  for row in (heuristic, variant):
+    assert row["check_rel_err,max_abs"][0] < 1e-2 and isinstance(row["kernel_ms"], float), row
+
+
 def test_bench_attention_interpret(tmp_path):
   run_script("scripts/bench_attention.py", "--interpret", "--quick", "--sizes", "256", "--sections",
              "indexer,decode,kvmajor", "--decode", "1x256", "--out", str(tmp_path))

@@ -120,9 +120,12 @@ class _Gemms:
   limit: float
 
   @classmethod
-  def make(cls, dtype, interpret, block_sizes, num_sms, tokens, top_k, experts, alpha, limit) -> "_Gemms":
+  def make(cls, dtype, interpret, block_sizes, num_sms, tokens, top_k, experts, alpha, limit,
+           widths: tuple[int, ...] = (), hidden: int | None = None) -> "_Gemms":
+    """widths: the expert widths these GEMMs will run (I, and Is for the shared expert); hidden: H."""
     interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or False)
-    bs_gu, bs_dn = block_sizes or heuristic_block_sizes(tokens, top_k, experts)
+    bs_gu, bs_dn = block_sizes or heuristic_block_sizes(
+        tokens, top_k, experts, gate_up_widths=widths, down_widths=() if hidden is None else (hidden,))
     if bs_gu.block_m != bs_dn.block_m:
       raise ValueError(f"gate_up and down block_m differ: {bs_gu.block_m} vs {bs_dn.block_m}")
     out_itemsize = 4 if dtype == jnp.float32 else jnp.dtype(dtype).itemsize
@@ -216,7 +219,8 @@ def routed_experts(
   k = expert_ids.shape[1]
   if t == 0:
     return jnp.zeros((0, h), jnp.float32)
-  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, e_local, alpha, limit)
+  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, e_local, alpha, limit,
+                      widths=(w_down.shape[1],), hidden=h)
   d, lhs = _dispatch(expert_ids - first_expert, x, num_experts=e_local, block_m=gemms.block_m, fuse_shared=False,
                      drop_foreign=True)
   y = gemms(d.meta, lhs, w_gate_up, w_down, broadcast_lhs=d.row_token is None)
@@ -272,7 +276,8 @@ def moe_block(
   shared_inter = shared_down.shape[0]
   if t == 0:
     return jnp.zeros((0, h), x.dtype)
-  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, top_k, e, swiglu_alpha, swiglu_limit)
+  gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, top_k, e, swiglu_alpha, swiglu_limit,
+                      widths=(inter, shared_inter), hidden=h)
   bm = gemms.block_m
   fused = fuse_shared and shared_inter == inter
 

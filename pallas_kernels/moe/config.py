@@ -31,8 +31,9 @@ class MoeBlockSizes:
   def __post_init__(self):
     if self.block_m not in (64, 128):
       raise ValueError(f"block_m must be 64 or 128, got {self.block_m}")
-    if not _is_pow2(self.block_n) or not 32 <= self.block_n <= 512:
-      raise ValueError(f"block_n must be a power of two in [32, 512], got {self.block_n}")
+    if not _is_pow2(self.block_n) or not 64 <= self.block_n <= 512:
+      # The weight tile [block_k, block_n] is stored with a 128-byte swizzle: whole 64-column bf16 tiles.
+      raise ValueError(f"block_n must be a power of two in [64, 512], got {self.block_n}")
     if self.block_k not in (32, 64):
       raise ValueError(f"block_k must be 32 or 64, got {self.block_k}")
     if self.wg_split not in ("m", "n"):
@@ -59,12 +60,32 @@ class MoeBlockSizes:
 SMEM_LIMIT_BYTES = 227 * 1024
 
 
-def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeBlockSizes, MoeBlockSizes]:
+def _fit_width(bs: MoeBlockSizes, widths: tuple[int, ...]) -> MoeBlockSizes:
+  """bs with block_n halved (down to 64) until it divides every output width (e.g. a tensor-parallel expert
+  slice of 192 columns); unchanged when it already divides them or when no power of two >= 64 does."""
+  bn = bs.block_n
+  while bn > 64 and any(w % bn for w in widths):
+    bn //= 2
+  if any(w % bn for w in widths):
+    return bs  # the kernel wrapper names the width that does not tile
+  return dataclasses.replace(bs, block_n=bn)
+
+
+def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int, *,
+                          gate_up_widths: tuple[int, ...] = (), down_widths: tuple[int, ...] = (),
+                          ) -> tuple[MoeBlockSizes, MoeBlockSizes]:
   """(gate_up, down) tile sizes for a token count.
 
   Decode-sized batches (<= 64 rows per expert in the worst case) use block_m=64 so each touched
   expert is one m-tile and its weights stream through exactly once; prefill uses 128-row tiles.
+  gate_up_widths (expert widths I, and Is when the shared expert runs on the same tiles) and down_widths
+  (the hidden size) narrow block_n to a power of two that divides them.
   """
+  gate_up, down = _heuristic_tiles(num_tokens, top_k, num_experts)
+  return _fit_width(gate_up, gate_up_widths), _fit_width(down, down_widths)
+
+
+def _heuristic_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeBlockSizes, MoeBlockSizes]:
   del num_experts
   if num_tokens <= 64:
     gate_up = MoeBlockSizes(block_m=64, block_n=128, max_concurrent_steps=5, wg_split="n")

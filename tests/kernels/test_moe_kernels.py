@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import (MoeBlockSizes, moe_block, moe_block_reference, route_reference, routed_experts,
-                                routed_experts_reference)
+from pallas_kernels.moe import (MoeBlockSizes, heuristic_block_sizes, moe_block, moe_block_reference,
+                                route_reference, routed_experts, routed_experts_reference)
 from pallas_kernels.moe.routing import route, top_k_all_pairs
 from pallas_kernels.moe.dispatch import build_broadcast_dispatch, build_dispatch, max_routed_tiles
 import kernel_modes
@@ -110,6 +110,27 @@ def test_default_decode_tiles(mode):
   # Heuristic tiles (block_m 64, gate_up block_n 128, down block_n 256) with top-4 of 16.
   args = _make(3, 256, 128, 16, 128, jnp.bfloat16, seed=4)
   _check(args, 4, mode, block_sizes=None)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_default_tiles_narrow_to_a_tensor_parallel_expert_slice(mode):
+  # Expert width 64 and shared width 192 (neither divisible by the default gate_up block_n of 128): the
+  # heuristic narrows block_n to 64 instead of refusing the shape.
+  args = _make(3, 256, 64, 16, 192, jnp.bfloat16, seed=5)
+  _check(args, 4, mode, block_sizes=None)
+
+
+def test_heuristic_block_n_divides_the_widths():
+  full = heuristic_block_sizes(4, 4, 128)
+  assert (full[0].block_n, full[1].block_n) == (128, 256)
+  assert heuristic_block_sizes(4, 4, 128, gate_up_widths=(3072, 384), down_widths=(6144,)) == full
+  gate_up, down = heuristic_block_sizes(4, 4, 128, gate_up_widths=(192,), down_widths=(6144,))
+  assert (gate_up.block_n, down.block_n) == (64, 256)
+  assert heuristic_block_sizes(4, 4, 128, down_widths=(640,))[1].block_n == 128
+  # No power of two >= 64 divides 96: the tiles stay as they are and the kernel names the width.
+  assert heuristic_block_sizes(4, 4, 128, gate_up_widths=(96,))[0].block_n == 128
+  with pytest.raises(ValueError, match="block_n must be a power of two in \\[64, 512\\]"):
+    MoeBlockSizes(block_m=64, block_n=32, wg_split="n")
 
 
 # (name, T, E total, E held, first held expert, forced experts): the expert-parallel entry point.
