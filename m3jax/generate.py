@@ -224,7 +224,7 @@ class _GraphKey:
     return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Decoder:
   """A model prepared once for a loop of decode steps (see ``decode_step`` for one step).
 
