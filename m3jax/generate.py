@@ -337,15 +337,22 @@ def generate_stream(
   decoder = Decoder.of(model)
   key = jax.random.key(seed)
   done = np.zeros(len(lengths), bool)
-  for step in range(max_new_tokens):
-    key, sub = jax.random.split(key)
-    tok, logits, caches = decoder.sample_and_step(logits, caches, lengths + step, sub, sampling)
-    tok = np.asarray(tok)
-    out = np.where(done, -1, tok).astype(np.int32)
-    done |= np.isin(tok, list(eos))
-    yield out
-    if done.all():
-      return
+  pending = None  # the previous step's tokens, still on the device
+  # Step s + 1 is dispatched before step s's tokens are read back, so the host's work on a step (argument
+  # handling, graph launch: milliseconds at full size) overlaps the device's work on the one before. After the
+  # last sequence stops, one step has run that nobody reads; its cache slot is inside the cache.
+  for step in range(max_new_tokens + 1):
+    if step < max_new_tokens:
+      key, sub = jax.random.split(key)
+      tok, logits, caches = decoder.sample_and_step(logits, caches, lengths + step, sub, sampling)
+    if pending is not None:
+      ready = np.asarray(pending)
+      out = np.where(done, -1, ready).astype(np.int32)
+      done |= np.isin(ready, list(eos))
+      yield out
+      if done.all():
+        return
+    pending = tok
 
 
 def decode_step(model: M3ForCausalLM, tokens: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,

@@ -88,6 +88,19 @@ def test_stream_yields_the_same_tokens(models):
   np.testing.assert_array_equal(streamed, generate(model, prompts, max_new_tokens=12, eos_token_ids=()).tokens)
 
 
+def test_stream_stops_like_generate(models):
+  """Stopped sequences yield -1, and the stream ends once every sequence has stopped."""
+  model = models["flat_b16"]
+  ref, prompts = _prompts("flat_b16")
+  stops = [int(ref["gen_tokens"][0, 2]), int(ref["gen_tokens"][1, 4])]
+  out = generate(model, prompts, max_new_tokens=16, eos_token_ids=stops)
+  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=16, eos_token_ids=stops)), axis=1)
+  assert streamed.shape[1] == out.lengths.max() < 16
+  after_stop = np.arange(streamed.shape[1])[None] >= out.lengths[:, None]
+  assert after_stop.any()
+  np.testing.assert_array_equal(streamed, np.where(after_stop, -1, out.tokens[:, :streamed.shape[1]]))
+
+
 def test_eos_stops_a_sequence_and_pads(models):
   model = models["flat_b16"]
   ref, prompts = _prompts("flat_b16")
