@@ -49,6 +49,7 @@ from m3jax.parallel.memory import plan_memory
 from m3jax.research import Collect
 
 COPY_TBPS = 4.3
+CALIBRATION_TOKENS = 64  # tokens per concurrency that set the MoE selection biases (balance_routing)
 PUBLISHED = {  # H200, same model (issue text)
     "SGLang BF16 TP8, concurrency 64": {"tok_s_per_gpu": 550.0, "tpot_ms": 11.5, "ttft_s": 114.0},
     "vLLM FP8 TP8, concurrency 4": {"tok_s_per_gpu": 113.0, "tpot_ms": 8.4},
@@ -171,6 +172,43 @@ def routed_expert_counts(graphdef, state, tok, pos, caches) -> tuple[list[int], 
   return [int(c) for c in np.asarray(counts)], caches
 
 
+def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
+                    ) -> tuple[list[float], list[float], tuple]:
+  """Sets each MoE layer's selection bias (``correction_bias``) to minus its experts' mean sigmoid score over a
+  calibration batch, as the trained bias does (M3 balances expert load with it). Random weights otherwise
+  route every token to nearly the same experts: the residual stream shares a large common direction.
+
+  tok, pos: int32 [B, S] tokens written at cache positions pos (later decode steps overwrite those slots before
+  any query reads them); caches are donated and returned. Each pass recentres every layer on the routing the
+  previous pass produced upstream. Returns (load imbalance per MoE layer before and after: the busiest
+expert's share of the calibration batch's picks over the mean share; 1 = perfectly even), caches).
+  """
+  moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "correction_bias")]
+  graphdef = nnx.graphdef(model)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def calibrate(state, tok, pos, caches):
+    out = nnx.merge(graphdef, state).forward(tok, positions=pos, caches=caches, collect=Collect(routing=True))
+    means, imbalance = [], []
+    for record in out.intermediates:
+      if "expert_ids" in record:
+        means.append(jnp.mean(jax.nn.sigmoid(record["router_logits"]), axis=(0, 1)))
+        n_experts = record["router_logits"].shape[-1]
+        load = jnp.zeros((n_experts,), jnp.float32).at[record["expert_ids"].reshape(-1)].add(1.0)
+        imbalance.append(jnp.max(load) / jnp.mean(load))
+    return jnp.stack(means), jnp.stack(imbalance), out.caches
+
+  before = None
+  for _ in range(passes):
+    means, imbalance, caches = calibrate(nnx.state(model), tok, pos, caches)
+    before = before if before is not None else [float(v) for v in np.asarray(imbalance)]
+    for mlp, mean in zip(moe, means):
+      old = mlp.correction_bias.get_value()
+      mlp.correction_bias.set_value(jax.device_put((-mean).astype(old.dtype), old.sharding))
+  _, imbalance, caches = calibrate(nnx.state(model), tok, pos, caches)
+  return before, [float(v) for v in np.asarray(imbalance)], caches
+
+
 def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int, cache_len: int):
   """The model's per-layer caches (``init_caches``' shapes, dtypes and layout under ``plan``) for ``batch``
   sequences x cache_len slots, holding random N(0, 1) values; each array is drawn by a per-shape jit, as the
@@ -258,6 +296,9 @@ def main() -> None:
   parser.add_argument("--fill-batch", type=int, default=4, help="sequences per prefill call with --fill prefill")
   parser.add_argument("--skip-prefill", action="store_true", help="decode only")
   parser.add_argument("--profile", action="store_true", help="GPU time per kernel of one decode step (CUPTI)")
+  parser.add_argument("--no-balance-routing", action="store_true",
+                      help="keep the random selection biases (random weights then route most tokens to the same "
+                           "few experts; see balance_routing)")
   parser.add_argument("--dispatch-probe", action="store_true",
                       help="split a decode step's host time: no-op steps over the same arguments, flat or as pytrees")
   parser.add_argument("--out", default=None)
@@ -311,7 +352,8 @@ def main() -> None:
       with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
-  cache_len = -(-(prompt + 2 * args.decode_steps + 8) // 128) * 128
+  # Room for the decode steps (timed twice, plus warm-ups) and for the routing calibration's tokens.
+  cache_len = -(-(prompt + max(2 * args.decode_steps + 8, CALIBRATION_TOKENS)) // 128) * 128
 
   @functools.partial(jax.jit, static_argnames=("cache_len",))
   def prefill(state, ids, lengths, cache_len):
@@ -360,6 +402,19 @@ def main() -> None:
       del parts
     jax.block_until_ready(caches)
     fill_s = time.perf_counter() - start
+    balance = None
+    if not args.no_balance_routing:
+      begin = time.perf_counter()
+      cal_len = -(-CALIBRATION_TOKENS // c)
+      cal_tok = put(np.asarray(jax.random.randint(jax.random.key(7 + c), (c, cal_len), 0, t.vocab_size), np.int32))
+      cal_pos = put(np.broadcast_to(prompt + np.arange(cal_len, dtype=np.int32), (c, cal_len)).copy())
+      before, after, caches = balance_routing(model, cal_tok, cal_pos, caches)
+      state = nnx.state(model)  # the calibrated selection biases
+      balance = {"imbalance_before": statistics.mean(before), "imbalance_after": statistics.mean(after),
+                 "calibration_tokens": c * cal_len, "seconds": time.perf_counter() - begin}
+      print(f"routing balanced on {c * cal_len} tokens: busiest expert / mean load per MoE layer "
+            f"{balance['imbalance_before']:.2f} -> {balance['imbalance_after']:.2f} ({balance['seconds']:.1f}s)",
+            flush=True)
     tok = put(np.asarray(jax.random.randint(jax.random.key(c), (c,), 0, t.vocab_size), np.int32))
     pos = put(np.full((c,), prompt, np.int32))
     steps = args.decode_steps
@@ -403,6 +458,7 @@ def main() -> None:
                               "tok_s_per_gpu": c / chained * 1e3 / n_gpus, "roofline_ms": roof,
                               "roofline_ratio": chained / roof, "fill_s": fill_s,
                               "distinct_experts_mean": statistics.mean(counts) if counts else None,
+                              "routing_balance": balance,
                               "routed_roofline_ms": routed_roof, "looped_routed_roofline_ratio": looped / routed_roof,
                               "first_step_s": first_s}
     print(f"decode concurrency {c}: TPOT {chained:.2f} ms chained, {sync:.2f} ms one step + sync (weight-read "

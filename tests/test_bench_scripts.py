@@ -143,6 +143,7 @@ def test_bench_full_one_shard_smoke(tmp_path):
   assert r["prefill"]["tok_s_per_gpu"] == pytest.approx(64 / r["prefill"]["ttft_ms"] * 1e3 / 2)
   # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 2..8 experts
   assert 2 <= d["distinct_experts_mean"] <= 8 and d["routed_roofline_ms"] > 0
+  assert d["routing_balance"]["calibration_tokens"] == 64 and d["routing_balance"]["imbalance_after"] >= 1.0
   assert set(d["dispatch_probe"]) == {"step, pytrees", "step, flat lists", "no-op, flat lists", "no-op, pytrees"}
   assert all(v["chained_ms"] > 0 and v["sync_ms"] > 0 for v in d["dispatch_probe"].values())
 
@@ -321,3 +322,28 @@ def test_check_xla_topk_runs_and_compares_against_a_sort(tmp_path, monkeypatch):
   monkeypatch.setattr(jax.lax, "top_k", lambda x, k: module.sorted_topk(-x, k))
   bad = module.check("finite", 2, 256, 16)
   assert bad["rows_with_other_ids"] == bad["rows"] == 8 and bad["rows_with_other_values"] == 8
+
+
+def test_balance_routing_evens_out_a_skewed_router():
+  """Selection biases that favour a few experts are replaced by minus each expert's mean score: the busiest
+  expert's load falls to near the even share, and the caches come back (donated) with their shapes."""
+  from flax import nnx
+  from m3jax.model import M3ForCausalLM
+
+  bench_full = _load_script("bench_full")
+  cfg = bench_full.model_config(None, True)  # 8 experts, top-2, 3 MoE layers
+  model = M3ForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(4))
+  moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "correction_bias")]
+  for i, mlp in enumerate(moe):  # a strong preference for experts 0 and 1 in every layer
+    mlp.correction_bias.set_value(jnp.asarray([1.0, 1.0] + [0.0] * 6) + 0.01 * i)
+  b, s, length = 4, 16, 128
+  tok = jax.random.randint(jax.random.key(2), (b, s), 0, cfg.text.vocab_size, jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32) + 40, (b, s))
+  caches = jax.tree.map(jnp.copy, model.init_caches(b, length))
+  before, after, caches = bench_full.balance_routing(model, tok, pos, caches)
+  assert len(before) == len(after) == 3 and len(caches) == cfg.text.num_layers
+  assert min(before) == pytest.approx(4.0)  # every token picks experts 0 and 1: 2 x the even share of 8
+  assert max(after) < 2.0
+  for mlp in moe:
+    bias = np.asarray(mlp.correction_bias.get_value())
+    assert (bias < 0).all() and (bias > -1).all()  # minus a mean sigmoid score
