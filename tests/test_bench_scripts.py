@@ -150,14 +150,14 @@ def test_bench_full_one_shard_smoke(tmp_path):
 
 def test_decode_weight_bytes_counts_the_experts_touched():
   """Uniform routing's expected count by default; measured counts replace it layer by layer."""
-  bench_full = _load_script("bench_full")
-  t = bench_full.model_config(None, True).text  # 1 dense + 3 MoE layers, 8 experts of width 32, hidden 64
+  analysis = _load_script("decode_analysis")
+  t = _load_script("bench_full").model_config(None, True).text  # 1 dense + 3 MoE layers, 8 experts of width 32
   per_expert = 2 * 3 * t.hidden_size * t.intermediate_size
-  none = bench_full.decode_weight_bytes(t, 4, [0, 0, 0])
-  assert bench_full.decode_weight_bytes(t, 4, [1, 2, 3]) == none + 6 * per_expert
-  assert bench_full.decode_weight_bytes(t, 4, [8, 8, 8]) == none + 24 * per_expert
+  none = analysis.decode_weight_bytes(t, 4, [0, 0, 0])
+  assert analysis.decode_weight_bytes(t, 4, [1, 2, 3]) == none + 6 * per_expert
+  assert analysis.decode_weight_bytes(t, 4, [8, 8, 8]) == none + 24 * per_expert
   uniform = 8 * (1 - (1 - 2 / 8) ** 4)
-  assert bench_full.decode_weight_bytes(t, 4) == pytest.approx(none + 3 * uniform * per_expert)
+  assert analysis.decode_weight_bytes(t, 4) == pytest.approx(none + 3 * uniform * per_expert)
 
 
 def test_routed_expert_counts_match_the_recorded_routing():
@@ -177,7 +177,7 @@ def test_routed_expert_counts_match_the_recorded_routing():
                                        collect=Collect(routing=True)).intermediates if "expert_ids" in rec]
   graphdef, state = nnx.split(model)
   fresh = jax.tree.map(jnp.copy, model.init_caches(b, length))  # distinct buffers: they are donated
-  counts, caches = bench_full.routed_expert_counts(graphdef, state, tok, pos, fresh)
+  counts, caches = _load_script("decode_analysis").routed_expert_counts(graphdef, state, tok, pos, fresh)
   assert counts == expected and len(counts) == 3 and len(caches) == cfg.text.num_layers
 
 
@@ -340,7 +340,7 @@ def test_balance_routing_evens_out_a_skewed_router():
   tok = jax.random.randint(jax.random.key(2), (b, s), 0, cfg.text.vocab_size, jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32) + 40, (b, s))
   caches = jax.tree.map(jnp.copy, model.init_caches(b, length))
-  before, after, caches = bench_full.balance_routing(model, tok, pos, caches)
+  before, after, caches = _load_script("decode_analysis").balance_routing(model, tok, pos, caches)
   assert len(before) == len(after) == 3 and len(caches) == cfg.text.num_layers
   assert min(before) == pytest.approx(4.0)  # every token picks experts 0 and 1: 2 x the even share of 8
   assert max(after) < 2.0

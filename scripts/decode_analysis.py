@@ -1,0 +1,148 @@
+"""Decode-step analysis helpers for scripts/bench_full.py: the weight-read roofline of the experts a batch
+touches, the routing of random-weight models (measured, and balanced like a trained selection bias), and a
+probe that splits a jitted decode step's host time into argument handling and launch."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from m3jax.config import TextConfig
+from m3jax.model import M3ForCausalLM
+from m3jax.research import Collect
+
+
+def decode_weight_bytes(t: TextConfig, batch: int, distinct_experts: list[float] | None = None) -> float:
+  """bf16 weights one decode step reads, all GPUs together: the experts each MoE layer touches are
+  ``distinct_experts`` (one count per MoE layer, e.g. measured by routed_expert_counts) or, by default, the
+  expected number of distinct experts under uniform routing."""
+  h = t.hidden_size
+  attn = h * (2 * t.num_heads * t.head_dim + 2 * t.num_kv_heads * t.head_dim)
+  idx = h * (t.index_num_heads + 1) * t.index_head_dim
+  uniform = t.num_experts * (1 - (1 - t.num_experts_per_tok / t.num_experts) ** batch)
+  counts = iter(distinct_experts) if distinct_experts is not None else None
+  total = h * t.vocab_size
+  for kind, mlp in zip(t.attention_types, t.mlp_types):
+    total += attn + (idx if kind == "sparse" else 0)
+    if mlp == "dense":
+      total += 3 * h * t.dense_intermediate_size
+    else:
+      distinct = uniform if counts is None else next(counts)
+      total += 3 * h * (t.shared_intermediate_size + distinct * t.intermediate_size)
+  return 2 * total
+
+
+def routed_expert_counts(graphdef, state, tok, pos, caches) -> tuple[list[int], tuple]:
+  """(distinct experts each MoE layer routes this decode batch to, the caches): one decode forward with the
+  routing recorded; the caches are donated and returned (updated at ``pos``, as the next step would)."""
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def distinct(state, tok, pos, caches):
+    out = nnx.merge(graphdef, state).forward(tok[:, None], positions=pos[:, None], caches=caches,
+                                             collect=Collect(routing=True))
+    counts = []
+    for record in out.intermediates:
+      if "expert_ids" in record:
+        used = jnp.zeros(record["router_logits"].shape[-1:], jnp.int32).at[record["expert_ids"].reshape(-1)].set(1)
+        counts.append(used.sum())
+    return jnp.stack(counts), out.caches
+
+  counts, caches = distinct(state, tok, pos, caches)
+  return [int(c) for c in np.asarray(counts)], caches
+
+
+def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
+                    ) -> tuple[list[float], list[float], tuple]:
+  """Sets each MoE layer's selection bias (``correction_bias``) to minus its experts' mean sigmoid score over a
+  calibration batch, as the trained bias does (M3 balances expert load with it). Random weights otherwise
+  route most tokens to the same few experts: on the H200, 8.8 / 31.0 distinct experts per layer at
+  concurrency 4 / 64, where uniform routing gives 15.1 / 111.2 (BENCHMARKS.md).
+
+  tok, pos: int32 [B, S] tokens written at cache positions pos (later decode steps overwrite those slots before
+  any query reads them); caches are donated and returned. Each pass recentres every layer on the routing the
+  previous pass produced upstream. Returns (load imbalance per MoE layer before and after: the busiest
+expert's share of the calibration batch's picks over the mean share; 1 = perfectly even), caches).
+  """
+  moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "correction_bias")]
+  graphdef = nnx.graphdef(model)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def calibrate(state, tok, pos, caches):
+    out = nnx.merge(graphdef, state).forward(tok, positions=pos, caches=caches, collect=Collect(routing=True))
+    means, imbalance = [], []
+    for record in out.intermediates:
+      if "expert_ids" in record:
+        means.append(jnp.mean(jax.nn.sigmoid(record["router_logits"]), axis=(0, 1)))
+        n_experts = record["router_logits"].shape[-1]
+        load = jnp.zeros((n_experts,), jnp.float32).at[record["expert_ids"].reshape(-1)].add(1.0)
+        imbalance.append(jnp.max(load) / jnp.mean(load))
+    return jnp.stack(means), jnp.stack(imbalance), out.caches
+
+  before = None
+  for _ in range(passes):
+    means, imbalance, caches = calibrate(nnx.state(model), tok, pos, caches)
+    before = before if before is not None else [float(v) for v in np.asarray(imbalance)]
+    for mlp, mean in zip(moe, means):
+      old = mlp.correction_bias.get_value()
+      mlp.correction_bias.set_value(jax.device_put((-mean).astype(old.dtype), old.sharding))
+  _, imbalance, caches = calibrate(nnx.state(model), tok, pos, caches)
+  return before, [float(v) for v in np.asarray(imbalance)], caches
+
+
+def _call_times(step, args: tuple, donated: int, noise) -> tuple[object, dict]:
+  """Host dispatch, chained and synchronised ms per call of ``step(*args, noise[i])``, whose outputs replace
+  args[1:] (args[donated] is donated). Returns the final args[donated] and the times."""
+  fixed, carry = args[0], args[1:]
+
+  def run(i):
+    nonlocal carry
+    carry = step(fixed, *carry, noise[i % len(noise)])
+
+  run(0)
+  jax.block_until_ready(carry)
+  sync = []
+  for i in range(len(noise)):
+    begin = time.perf_counter()
+    run(i)
+    jax.block_until_ready(carry[0])
+    sync.append((time.perf_counter() - begin) * 1e3)
+  begin = time.perf_counter()
+  for i in range(len(noise)):
+    run(i)
+  dispatch = (time.perf_counter() - begin) * 1e3 / len(noise)
+  jax.block_until_ready(carry)
+  chained = (time.perf_counter() - begin) * 1e3 / len(noise)
+  return carry[donated - 1], {"dispatch_ms": dispatch, "chained_ms": chained, "sync_ms": statistics.median(sync)}
+
+
+def dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise) -> tuple[object, dict]:
+  """Where a decode step's host time goes: the real step with the state and caches as pytrees (nnx.State,
+  LayerCache) or as flat lists of arrays, and a no-op step over the same arguments (caches donated and
+  returned, so it launches ~nothing). Returns the caches (donated through every call) and ms per call."""
+  state_leaves, state_def = jax.tree.flatten(state)
+  cache_leaves, cache_def = jax.tree.flatten(caches)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def flat_step(state_leaves, tok, pos, cache_leaves, noise):
+    tok, pos, new = chained_step.__wrapped__(jax.tree.unflatten(state_def, state_leaves), tok, pos,
+                                             jax.tree.unflatten(cache_def, cache_leaves), noise)
+    return tok, pos, jax.tree.leaves(new)
+
+  @functools.partial(jax.jit, donate_argnums=(3,))
+  def noop(state, tok, pos, caches, noise):
+    return tok + noise, pos + 1, caches
+
+  out = {}
+  caches, out["step, pytrees"] = _call_times(chained_step, (state, tok, pos, caches), 3, noise)
+  cache_leaves = jax.tree.leaves(caches)
+  cache_leaves, out["step, flat lists"] = _call_times(flat_step, (state_leaves, tok, pos, cache_leaves), 3, noise)
+  cache_leaves, out["no-op, flat lists"] = _call_times(noop, (state_leaves, tok, pos, cache_leaves), 3, noise)
+  caches = jax.tree.unflatten(cache_def, cache_leaves)
+  caches, out["no-op, pytrees"] = _call_times(noop, (state, tok, pos, caches), 3, noise)
+  return caches, out
