@@ -38,23 +38,26 @@ def decode_weight_bytes(t: TextConfig, batch: int, distinct_experts: list[float]
   return 2 * total
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("caches",))
+def _routing_stats(graphdef, state, tok, pos, caches):
+  """One forward of tok int32 [B, S] at positions pos [B, S] with the routing recorded -> (per MoE layer: mean
+  sigmoid score per expert fp32 [n_moe, E], picks per expert fp32 [n_moe, E]; the caches, donated)."""
+  out = nnx.merge(graphdef, state).forward(tok, positions=pos, caches=caches, collect=Collect(routing=True))
+  means, loads = [], []
+  for record in out.intermediates:
+    if "expert_ids" in record:
+      logits = record["router_logits"]
+      means.append(jnp.mean(jax.nn.sigmoid(logits), axis=(0, 1)))
+      loads.append(jnp.zeros(logits.shape[-1:], jnp.float32).at[record["expert_ids"].reshape(-1)].add(1.0))
+  return jnp.stack(means), jnp.stack(loads), out.caches
+
+
 def routed_expert_counts(graphdef, state, tok, pos, caches) -> tuple[list[int], tuple]:
-  """(distinct experts each MoE layer routes this decode batch to, the caches): one decode forward with the
-  routing recorded; the caches are donated and returned (updated at ``pos``, as the next step would)."""
-
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def distinct(state, tok, pos, caches):
-    out = nnx.merge(graphdef, state).forward(tok[:, None], positions=pos[:, None], caches=caches,
-                                             collect=Collect(routing=True))
-    counts = []
-    for record in out.intermediates:
-      if "expert_ids" in record:
-        used = jnp.zeros(record["router_logits"].shape[-1:], jnp.int32).at[record["expert_ids"].reshape(-1)].set(1)
-        counts.append(used.sum())
-    return jnp.stack(counts), out.caches
-
-  counts, caches = distinct(state, tok, pos, caches)
-  return [int(c) for c in np.asarray(counts)], caches
+  """(distinct experts each MoE layer routes this decode batch (tok, pos int32 [B]) to, the caches): one
+  decode forward with the routing recorded; the caches are donated and returned (updated at ``pos``, as the
+  next step would)."""
+  _, loads, caches = _routing_stats(graphdef, state, tok[:, None], pos[:, None], caches)
+  return [int(n) for n in np.asarray((loads > 0).sum(-1))], caches
 
 
 def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
@@ -67,37 +70,28 @@ def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
   tok, pos: int32 [B, S] tokens written at cache positions pos (later decode steps overwrite those slots before
   any query reads them); caches are donated and returned. Each pass recentres every layer on the routing the
   previous pass produced upstream. Returns (load imbalance per MoE layer before and after: the busiest
-expert's share of the calibration batch's picks over the mean share; 1 = perfectly even), caches).
+  expert's share of the calibration batch's picks over the mean share; 1 = perfectly even), caches).
   """
   moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "correction_bias")]
   graphdef = nnx.graphdef(model)
 
-  @functools.partial(jax.jit, donate_argnums=(3,))
-  def calibrate(state, tok, pos, caches):
-    out = nnx.merge(graphdef, state).forward(tok, positions=pos, caches=caches, collect=Collect(routing=True))
-    means, imbalance = [], []
-    for record in out.intermediates:
-      if "expert_ids" in record:
-        means.append(jnp.mean(jax.nn.sigmoid(record["router_logits"]), axis=(0, 1)))
-        n_experts = record["router_logits"].shape[-1]
-        load = jnp.zeros((n_experts,), jnp.float32).at[record["expert_ids"].reshape(-1)].add(1.0)
-        imbalance.append(jnp.max(load) / jnp.mean(load))
-    return jnp.stack(means), jnp.stack(imbalance), out.caches
+  def imbalance(loads) -> list[float]:
+    return [float(v) for v in np.asarray(loads.max(-1) / loads.mean(-1))]
 
   before = None
   for _ in range(passes):
-    means, imbalance, caches = calibrate(nnx.state(model), tok, pos, caches)
-    before = before if before is not None else [float(v) for v in np.asarray(imbalance)]
+    means, loads, caches = _routing_stats(graphdef, nnx.state(model), tok, pos, caches)
+    before = before if before is not None else imbalance(loads)
     for mlp, mean in zip(moe, means):
       old = mlp.correction_bias.get_value()
       mlp.correction_bias.set_value(jax.device_put((-mean).astype(old.dtype), old.sharding))
-  _, imbalance, caches = calibrate(nnx.state(model), tok, pos, caches)
-  return before, [float(v) for v in np.asarray(imbalance)], caches
+  _, loads, caches = _routing_stats(graphdef, nnx.state(model), tok, pos, caches)
+  return before, imbalance(loads), caches
 
 
-def _call_times(step, args: tuple, donated: int, noise) -> tuple[object, dict]:
+def _call_times(step, args: tuple, noise) -> tuple[object, dict]:
   """Host dispatch, chained and synchronised ms per call of ``step(*args, noise[i])``, whose outputs replace
-  args[1:] (args[donated] is donated). Returns the final args[donated] and the times."""
+  args[1:] (the last, the caches, is donated). Returns the final caches and the times."""
   fixed, carry = args[0], args[1:]
 
   def run(i):
@@ -118,7 +112,7 @@ def _call_times(step, args: tuple, donated: int, noise) -> tuple[object, dict]:
   dispatch = (time.perf_counter() - begin) * 1e3 / len(noise)
   jax.block_until_ready(carry)
   chained = (time.perf_counter() - begin) * 1e3 / len(noise)
-  return carry[donated - 1], {"dispatch_ms": dispatch, "chained_ms": chained, "sync_ms": statistics.median(sync)}
+  return carry[-1], {"dispatch_ms": dispatch, "chained_ms": chained, "sync_ms": statistics.median(sync)}
 
 
 def dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise) -> tuple[object, dict]:
@@ -139,10 +133,10 @@ def dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise) -> tu
     return tok + noise, pos + 1, caches
 
   out = {}
-  caches, out["step, pytrees"] = _call_times(chained_step, (state, tok, pos, caches), 3, noise)
+  caches, out["step, pytrees"] = _call_times(chained_step, (state, tok, pos, caches), noise)
   cache_leaves = jax.tree.leaves(caches)
-  cache_leaves, out["step, flat lists"] = _call_times(flat_step, (state_leaves, tok, pos, cache_leaves), 3, noise)
-  cache_leaves, out["no-op, flat lists"] = _call_times(noop, (state_leaves, tok, pos, cache_leaves), 3, noise)
+  cache_leaves, out["step, flat lists"] = _call_times(flat_step, (state_leaves, tok, pos, cache_leaves), noise)
+  cache_leaves, out["no-op, flat lists"] = _call_times(noop, (state_leaves, tok, pos, cache_leaves), noise)
   caches = jax.tree.unflatten(cache_def, cache_leaves)
-  caches, out["no-op, pytrees"] = _call_times(noop, (state, tok, pos, caches), 3, noise)
+  caches, out["no-op, pytrees"] = _call_times(noop, (state, tok, pos, caches), noise)
   return caches, out
