@@ -151,6 +151,23 @@ def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int,
       for i, c in enumerate(abstract))
 
 
+def parse_compiler_options(items: list[str]) -> dict[str, object] | None:
+  """["name=value", ...] -> {name: value} for ``jax.jit(compiler_options=...)``; ints and booleans are typed."""
+  options: dict[str, object] = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+      raise ValueError(f"--compiler-option expects NAME=VALUE, got {item!r}")
+    if value.lower() in ("true", "false"):
+      options[name] = value.lower() == "true"
+    else:
+      try:
+        options[name] = int(value)
+      except ValueError:
+        options[name] = value
+  return options or None
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8, expert=8, expert=4,tensor=2")
@@ -172,8 +189,12 @@ def main() -> None:
                            "few experts; see balance_routing)")
   parser.add_argument("--dispatch-probe", action="store_true",
                       help="split a decode step's host time: no-op steps over the same arguments, flat or as pytrees")
+  parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                      help="an XLA option for the decode step's compilation (repeatable), e.g. "
+                           "xla_gpu_dot_merger_threshold_mb=0")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
+  step_options = parse_compiler_options(args.compiler_option)
 
   cfg = model_config(args.layers, args.smoke)
   full_text = cfg.text
@@ -216,7 +237,8 @@ def main() -> None:
   graphdef, state = nnx.split(model)
   report: dict = {"mesh": dict(mesh.shape), "devices": mesh.size, "gpus_represented": n_gpus,
                   "one_shard_of": args.one_shard, "layers": t.num_layers, "parameters": n_params,
-                  "device_kind": jax.devices()[0].device_kind, "fill": args.fill, "published": PUBLISHED}
+                  "device_kind": jax.devices()[0].device_kind, "fill": args.fill,
+                  "step_compiler_options": step_options, "published": PUBLISHED}
 
   def save() -> None:
     if args.out:
@@ -230,7 +252,7 @@ def main() -> None:
   def prefill(state, ids, lengths, cache_len):
     return _prefill(nnx.merge(graphdef, state), ids, lengths, cache_len)
 
-  @functools.partial(jax.jit, donate_argnames=("caches",))
+  @functools.partial(jax.jit, donate_argnames=("caches",), compiler_options=step_options)
   def chained_step(state, tok, pos, caches, noise):
     logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches)
     # The next input depends on this step's logits (steps cannot overlap) but is spread over the vocabulary:
@@ -238,7 +260,7 @@ def main() -> None:
     nxt = (jnp.argmax(logits, -1).astype(jnp.int32) + noise) % t.vocab_size
     return sharding.replicated(nxt, plan), sharding.replicated(pos + 1, plan), caches
 
-  @functools.partial(jax.jit, donate_argnames=("caches",))
+  @functools.partial(jax.jit, donate_argnames=("caches",), compiler_options=step_options)
   def looped_steps(state, tok, pos, caches, noise):
     """len(noise) chained decode steps in one program (a lax.fori_loop, as ``m3jax.generate`` runs them):
     the host dispatches once, so per-call argument handling and launch costs are paid once."""

@@ -321,8 +321,8 @@ def main():
                  help="routed and shared expert width instead of 3072, e.g. 384 = one GPU's slice in a "
                       "tensor-parallel 8-way split")
   p.add_argument("--decode-tiles", default="",
-                 help="extra decode rows with other tiles: comma-separated GATE_BN/DOWN_BN/STAGES (block_m 64, "
-                      "wg_split n), e.g. 64/256/5,64/128/6,128/128/6")
+                 help="extra decode rows with other tiles: comma-separated GATE_BN/DOWN_BN/STAGES (block_m 64 "
+                      "split by columns; block_m 128 split by rows when a width is 64), e.g. 64/256/5,128/128/6")
   args = p.parse_args()
   global H, I, E, IS
   if args.tiny:
@@ -367,8 +367,10 @@ def run(args):
       dump()
     for spec in [v for v in args.decode_tiles.split(",") if v]:
       gate_bn, down_bn, stages = (int(v) for v in spec.split("/"))
-      bs = (MoeBlockSizes(block_m=64, block_n=gate_bn, max_concurrent_steps=stages, wg_split="n"),
-            MoeBlockSizes(block_m=64, block_n=down_bn, max_concurrent_steps=stages, wg_split="n"))
+      # Two warpgroups split a tile by columns only in whole 64-column halves; narrower tiles split rows.
+      bm, split = (64, "n") if min(gate_bn, down_bn) >= 128 else (128, "m")
+      bs = (MoeBlockSizes(block_m=bm, block_n=gate_bn, max_concurrent_steps=stages, wg_split=split),
+            MoeBlockSizes(block_m=bm, block_n=down_bn, max_concurrent_steps=stages, wg_split=split))
       res["decode"].append(bench_decode(t, w, jax.random.key(t), args, bs, tag=f"bn{gate_bn}/{down_bn} st{stages}"))
       dump()
     if args.variants and t == 64:

@@ -130,13 +130,22 @@ def test_bench_full_smoke(tmp_path):
   assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
 
 
+def test_bench_full_compiler_options_parse():
+  parse = _load_script("bench_full").parse_compiler_options
+  assert parse([]) is None
+  assert parse(["a=0", "b=true", "c=FUSION,CUBLAS"]) == {"a": 0, "b": True, "c": "FUSION,CUBLAS"}
+  with pytest.raises(ValueError, match="NAME=VALUE"):
+    parse(["xla_gpu_dot_merger_threshold_mb"])
+
+
 def test_bench_full_one_shard_smoke(tmp_path):
   """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for."""
   out = tmp_path / "shard.json"
   run_script("scripts/bench_full.py", "--smoke", "--one-shard", "2", "--decode-steps", "2", "--concurrency", "4",
-             "--dispatch-probe", "--out", str(out))
+             "--dispatch-probe", "--compiler-option", "xla_gpu_dot_merger_threshold_mb=0", "--out", str(out))
   r = json.loads(out.read_text())
   assert r["devices"] == 1 and r["gpus_represented"] == 2 and r["one_shard_of"] == 2
+  assert r["step_compiler_options"] == {"xla_gpu_dot_merger_threshold_mb": 0}
   d = r["decode_c4"]
   assert d["tpot_chained_ms"] > 0 and d["tok_s_per_gpu"] == pytest.approx(4 / d["tpot_chained_ms"] * 1e3 / 2)
   assert d["tpot_looped_ms"] > 0

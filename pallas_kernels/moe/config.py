@@ -40,6 +40,10 @@ class MoeBlockSizes:
       raise ValueError(f"wg_split must be 'm' or 'n', got {self.wg_split!r}")
     if self.wg_split == "m" and self.block_m != 128:
       raise ValueError(f"wg_split='m' needs block_m=128, got {self.block_m}")
+    if self.wg_split == "n" and self.block_n < 128:
+      # Each warpgroup's half of the weight tile must be whole 64-column swizzle tiles for wgmma (the GPU
+      # lowering rejects a 32-column slice; interpret mode would not notice).
+      raise ValueError(f"wg_split='n' needs block_n >= 128, got {self.block_n}")
     if self.max_concurrent_steps < 2:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
 
@@ -60,15 +64,15 @@ class MoeBlockSizes:
 SMEM_LIMIT_BYTES = 227 * 1024
 
 
-def _fit_width(bs: MoeBlockSizes, widths: tuple[int, ...]) -> MoeBlockSizes:
-  """bs with block_n halved (down to 64) until it divides every output width (e.g. a tensor-parallel expert
+def _fit_width(bs: MoeBlockSizes, widths: tuple[int, ...]) -> int:
+  """bs.block_n halved (down to 64) until it divides every output width (e.g. a tensor-parallel expert
   slice of 192 columns); unchanged when it already divides them or when no power of two >= 64 does."""
   bn = bs.block_n
   while bn > 64 and any(w % bn for w in widths):
     bn //= 2
   if any(w % bn for w in widths):
-    return bs  # the kernel wrapper names the width that does not tile
-  return dataclasses.replace(bs, block_n=bn)
+    return bs.block_n  # the kernel wrapper names the width that does not tile
+  return bn
 
 
 def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int, *,
@@ -82,7 +86,13 @@ def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int, *,
   (the hidden size) narrow block_n to a power of two that divides them.
   """
   gate_up, down = _heuristic_tiles(num_tokens, top_k, num_experts)
-  return _fit_width(gate_up, gate_up_widths), _fit_width(down, down_widths)
+  gate_up_bn, down_bn = _fit_width(gate_up, gate_up_widths), _fit_width(down, down_widths)
+  if min(gate_up_bn, down_bn) < 128:
+    # A 64-column tile cannot be split between the two warpgroups by columns: split 128 rows instead
+    # (both GEMMs, which share block_m). Decode pads its rows to 128; the kernel stays weight-read bound.
+    gate_up = dataclasses.replace(gate_up, block_m=128, wg_split="m")
+    down = dataclasses.replace(down, block_m=128, wg_split="m")
+  return dataclasses.replace(gate_up, block_n=gate_up_bn), dataclasses.replace(down, block_n=down_bn)
 
 
 def _heuristic_tiles(num_tokens: int, top_k: int, num_experts: int) -> tuple[MoeBlockSizes, MoeBlockSizes]:

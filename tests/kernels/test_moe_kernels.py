@@ -126,11 +126,15 @@ def test_heuristic_block_n_divides_the_widths():
   assert heuristic_block_sizes(4, 4, 128, gate_up_widths=(3072, 384), down_widths=(6144,)) == full
   gate_up, down = heuristic_block_sizes(4, 4, 128, gate_up_widths=(192,), down_widths=(6144,))
   assert (gate_up.block_n, down.block_n) == (64, 256)
+  # 64 columns cannot be split between the warpgroups: both GEMMs switch to 128-row tiles split by rows.
+  assert (gate_up.block_m, gate_up.wg_split, down.block_m, down.wg_split) == (128, "m", 128, "m")
   assert heuristic_block_sizes(4, 4, 128, down_widths=(640,))[1].block_n == 128
   # No power of two >= 64 divides 96: the tiles stay as they are and the kernel names the width.
   assert heuristic_block_sizes(4, 4, 128, gate_up_widths=(96,))[0].block_n == 128
   with pytest.raises(ValueError, match="block_n must be a power of two in \\[64, 512\\]"):
     MoeBlockSizes(block_m=64, block_n=32, wg_split="n")
+  with pytest.raises(ValueError, match="wg_split='n' needs block_n >= 128"):
+    MoeBlockSizes(block_m=64, block_n=64, wg_split="n")
 
 
 # (name, T, E total, E held, first held expert, forced experts): the expert-parallel entry point.
