@@ -44,7 +44,7 @@ from m3jax.cache import LayerCache
 from m3jax.config import M3Config, TextConfig, m3_full
 from m3jax.generate import _decode, _prefill
 from bench_common import timed_ms
-from decode_analysis import balance_routing, decode_weight_bytes, dispatch_probe, routed_expert_counts
+from decode_analysis import balance_routing, decode_weight_bytes, dispatch_probe, routed_expert_counts, stream_tpot
 from m3jax.model import M3ForCausalLM
 from m3jax.parallel.memory import plan_memory
 
@@ -189,6 +189,9 @@ def main() -> None:
                            "few experts; see balance_routing)")
   parser.add_argument("--dispatch-probe", action="store_true",
                       help="split a decode step's host time: no-op steps over the same arguments, flat or as pytrees")
+  parser.add_argument("--stream-prompt", type=int, default=0, metavar="TOKENS",
+                      help="also time m3jax.generate_stream per concurrency on prompts of this many random "
+                           "tokens (--decode-steps + 2 tokens each; 0 = off)")
   parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                       help="an XLA option for the decode step's compilation (repeatable), e.g. "
                            "xla_gpu_dot_merger_threshold_mb=0")
@@ -379,6 +382,12 @@ def main() -> None:
       print(f"decode concurrency {c} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by "
             "name (launches, us):", *(f"  {row}" for row in prof["by_name"]), sep="\n", flush=True)
     del caches
+    if args.stream_prompt:
+      stream = stream_tpot(model, c, args.stream_prompt, steps + 2)
+      report[f"decode_c{c}"]["generate_stream"] = stream
+      print(f"decode concurrency {c} generate_stream ({args.stream_prompt}-token prompts): {stream['tpot_ms']:.2f} ms "
+            f"per token (median; max {stream['tpot_max_ms']:.2f}), first prefill {stream['prefill_first_call_s']:.1f}s",
+            flush=True)
     save()
   save()
 

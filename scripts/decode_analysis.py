@@ -140,3 +140,22 @@ def dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise) -> tu
   caches = jax.tree.unflatten(cache_def, cache_leaves)
   caches, out["no-op, pytrees"] = _call_times(noop, (state, tok, pos, caches), noise)
   return caches, out
+
+
+def stream_tpot(model: M3ForCausalLM, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+  """Wall time per token of ``m3jax.generate_stream`` (host loop, one jitted step per token, step s + 1
+  dispatched before step s is read): ``batch`` random prompts of ``prompt_len`` tokens, ``new_tokens``
+  tokens each (no EOS). The first two tokens (compile, pipeline fill) are excluded from the median."""
+  from m3jax.generate import generate_stream  # pylint: disable=g-import-not-at-top
+
+  if new_tokens < 4:
+    raise ValueError(f"new_tokens must be >= 4 to time a steady state, got {new_tokens}")
+  rng = np.random.default_rng(seed)
+  prompts = rng.integers(0, model.config.text.vocab_size, (batch, prompt_len), dtype=np.int32)
+  timings: dict[str, float] = {}
+  stamps = []
+  for _ in generate_stream(model, prompts, max_new_tokens=new_tokens, eos_token_ids=[], timings=timings):
+    stamps.append(time.perf_counter())
+  gaps = np.diff(stamps)[2:] * 1e3
+  return {"tpot_ms": float(np.median(gaps)), "tpot_max_ms": float(gaps.max()), "tokens": len(stamps),
+          "prompt_len": prompt_len, "prefill_first_call_s": timings["prefill_s"]}

@@ -142,13 +142,16 @@ def test_bench_full_one_shard_smoke(tmp_path):
   """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for."""
   out = tmp_path / "shard.json"
   run_script("scripts/bench_full.py", "--smoke", "--one-shard", "2", "--decode-steps", "2", "--concurrency", "4",
-             "--dispatch-probe", "--compiler-option", "xla_gpu_dot_merger_threshold_mb=0", "--out", str(out))
+             "--dispatch-probe", "--compiler-option", "xla_gpu_dot_merger_threshold_mb=0", "--stream-prompt", "16",
+             "--out", str(out))
   r = json.loads(out.read_text())
   assert r["devices"] == 1 and r["gpus_represented"] == 2 and r["one_shard_of"] == 2
   assert r["step_compiler_options"] == {"xla_gpu_dot_merger_threshold_mb": 0}
   d = r["decode_c4"]
   assert d["tpot_chained_ms"] > 0 and d["tok_s_per_gpu"] == pytest.approx(4 / d["tpot_chained_ms"] * 1e3 / 2)
   assert d["tpot_looped_ms"] > 0
+  stream = d["generate_stream"]
+  assert stream["tokens"] == 4 and stream["prompt_len"] == 16 and 0 < stream["tpot_ms"] <= stream["tpot_max_ms"]
   assert r["prefill"]["tok_s_per_gpu"] == pytest.approx(64 / r["prefill"]["ttft_ms"] * 1e3 / 2)
   # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 2..8 experts
   assert 2 <= d["distinct_experts_mean"] <= 8 and d["routed_roofline_ms"] > 0
