@@ -230,7 +230,7 @@ class Decoder:
 
   Each jitted call hands over the parameters as a flat tuple of arrays with a pre-hashed graph, instead of
   splitting the module graph (``nnx.split`` of a 60-layer model takes tens of ms) and flattening an nnx.State
-  on every step. ``Decoder.of(model).step(...)`` per token is what ``generate_stream`` does; ``generate`` runs
+  on every step. ``generate_stream`` runs its steps through ``Decoder.sample_steps``; ``generate`` runs
   its whole loop on the device and pays no per-step host cost at all.
   """
 
@@ -260,12 +260,16 @@ class Decoder:
       raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
     return _decode_step_jit(self.graph, self.params, self.put(tokens), self.put(positions), caches)
 
-  def sample_and_step(self, logits: jax.Array, caches: tuple, positions: np.ndarray, key: jax.Array,
-                      sampling: SamplingParams) -> tuple[jax.Array, jax.Array, tuple]:
-    """Samples tokens [B] from ``logits`` and decodes them at ``positions``: -> (tokens [B], next logits
-    [B, V], caches). The input caches are donated."""
-    return _sample_decode_jit(self.graph, self.params, logits, caches, self.put(positions), self.put(key),
-                              sampling=sampling)
+  def sample_steps(self, logits: jax.Array, caches: tuple, positions: np.ndarray, key: jax.Array,
+                   sampling: SamplingParams, num_steps: int = 1) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
+    """``num_steps`` decode steps in one call, each sampling its tokens from the previous logits (the first from
+    ``logits``) and writing them at ``positions`` [B] + step. Each step splits ``key`` as ``generate`` does, so the
+    tokens equal ``generate``'s. -> (tokens int32 [num_steps, B], next logits [B, V], caches, advanced key). The
+    input caches are donated."""
+    if num_steps < 1:
+      raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    return _sample_decode_jit(self.graph, self.params, logits, caches, self.put(positions), key,
+                              sampling=sampling, num_steps=num_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("caches",))
@@ -273,12 +277,24 @@ def _decode_step_jit(graph: _GraphKey, params, tokens, positions, caches):
   return _decode(graph.merge(params), tokens, positions, caches)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "sampling"), donate_argnames=("caches",))
-def _sample_decode_jit(graph: _GraphKey, params, logits, caches, positions, key, *, sampling: SamplingParams):
+@functools.partial(jax.jit, static_argnames=("graph", "sampling", "num_steps"), donate_argnames=("caches",))
+def _sample_decode_jit(graph: _GraphKey, params, logits, caches, positions, key, *, sampling: SamplingParams,
+                       num_steps: int):
   model = graph.merge(params)
-  tok = sample(logits, key, sampling)
-  logits, caches = _decode(model, tok, positions, caches)
-  return sharding.replicated(tok, model.sharding_plan), logits, caches
+
+  def step(i, carry):
+    tokens, logits, caches, key = carry
+    key, sub = jax.random.split(key)
+    tok = sample(logits, sub, sampling)
+    logits, caches = _decode(model, tok, positions + i, caches)
+    return tokens.at[i].set(tok), logits, caches, key
+
+  tokens = jnp.zeros((num_steps, logits.shape[0]), jnp.int32)
+  carry = (tokens, logits, caches, key)
+  # One step needs no loop; more run on the device, so the host's per-call cost is paid once per num_steps.
+  tokens, logits, caches, key = step(0, carry) if num_steps == 1 else jax.lax.fori_loop(0, num_steps, step, carry)
+  plan = model.sharding_plan
+  return sharding.replicated(tokens, plan), logits, caches, sharding.replicated(key, plan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,14 +335,21 @@ def generate_stream(
     max_length: int | None = None,
     timings: dict[str, float] | None = None,
     prompt_embeds: jax.Array | None = None,
+    steps_per_call: int = 1,
 ) -> Iterator[np.ndarray]:
   """Like ``generate``, yielding int32 tokens [B] as they are produced (jitted prefill + decode steps).
 
   A sequence that has stopped yields -1. Same tokens as ``generate`` for the same arguments. If
   ``timings`` is given it receives 'prefill_s' (prefill wall time, compile included on a first call).
+  ``steps_per_call`` decode steps run in each jitted call (an on-device loop) and their tokens arrive together:
+  a call costs the host milliseconds at full depth, more than a step's device time at small batch, so > 1
+  trades streaming granularity for throughput (BENCHMARKS.md, "Full-depth decode"). Up to steps_per_call - 1
+  steps may run past the point where every sequence has stopped.
   """
+  if steps_per_call < 1:
+    raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-  eos = set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids)
+  eos = list(set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids))
   start = time.perf_counter()
   prefilled = prefill(model, prompt_ids, max_new_tokens=max_new_tokens, max_length=max_length,
                       prompt_embeds=prompt_embeds)
@@ -335,24 +358,27 @@ def generate_stream(
     logits.block_until_ready()
     timings["prefill_s"] = time.perf_counter() - start
   decoder = Decoder.of(model)
-  key = jax.random.key(seed)
+  key = decoder.put(jax.random.key(seed))
   done = np.zeros(len(lengths), bool)
-  pending = None  # the previous step's tokens, still on the device
-  # Step s + 1 is dispatched before step s's tokens are read back, so the host's work on a step (argument
+  produced = 0  # steps dispatched so far
+  pending = None  # the previous call's tokens [n, B], still on the device
+  # Call c + 1 is dispatched before call c's tokens are read back, so the host's work on a call (argument
   # handling, graph launch: milliseconds at full size) overlaps the device's work on the one before. After the
-  # last sequence stops, one step has run that nobody reads; its cache slot is inside the cache.
-  for step in range(max_new_tokens + 1):
-    if step < max_new_tokens:
-      key, sub = jax.random.split(key)
-      tok, logits, caches = decoder.sample_and_step(logits, caches, lengths + step, sub, sampling)
+  # last sequence stops, one call has run that nobody reads; its cache slots are inside the cache.
+  while pending is not None or produced < max_new_tokens:
+    dispatched = None
+    if produced < max_new_tokens:
+      n = min(steps_per_call, max_new_tokens - produced)
+      dispatched, logits, caches, key = decoder.sample_steps(logits, caches, lengths + produced, key, sampling, n)
+      produced += n
     if pending is not None:
-      ready = np.asarray(pending)
-      out = np.where(done, -1, ready).astype(np.int32)
-      done |= np.isin(ready, list(eos))
-      yield out
-      if done.all():
-        return
-    pending = tok
+      for ready in np.asarray(pending):
+        out = np.where(done, -1, ready).astype(np.int32)
+        done |= np.isin(ready, eos)
+        yield out
+        if done.all():
+          return
+    pending = dispatched
 
 
 def decode_step(model: M3ForCausalLM, tokens: jax.Array | np.ndarray, positions: jax.Array | np.ndarray,

@@ -64,6 +64,9 @@ def model_config(layers: int | None, smoke: bool) -> M3Config:
                       num_experts_per_tok=2, attention_types=("full", "sparse", "sparse", "sparse"),
                       mlp_types=("dense", "moe", "moe", "moe"), index_num_heads=2, index_head_dim=32,
                       index_block_size=16, index_topk_blocks=2, index_local_blocks=1)
+    if layers is not None:  # the smoke pattern (one dense layer, then sparse MoE layers) at this depth
+      text = dataclasses.replace(text, num_layers=layers, attention_types=("full",) + ("sparse",) * (layers - 1),
+                                 mlp_types=("dense",) + ("moe",) * (layers - 1))
   elif layers is not None:  # keep the 3 dense layers first, then sparse MoE layers
     n_dense = min(3, layers)
     text = dataclasses.replace(text, num_layers=layers,
@@ -173,7 +176,8 @@ def main() -> None:
   parser.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8, expert=8, expert=4,tensor=2")
   parser.add_argument("--one-shard", type=int, default=None, metavar="WAYS",
                       help="run one GPU's share of a WAYS-way tensor-parallel split on one device (shard_config)")
-  parser.add_argument("--layers", type=int, default=None, help="fewer layers (e.g. a 1-GPU run); default all 60")
+  parser.add_argument("--layers", type=int, default=None,
+                      help="another depth (e.g. a 1-GPU run; with --smoke, a deep tiny model); default all 60")
   parser.add_argument("--kernels", default="auto")
   parser.add_argument("--dry-run", action="store_true", help="lower + compile the sharded init only")
   parser.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the whole flow)")
@@ -191,7 +195,9 @@ def main() -> None:
                       help="split a decode step's host time: no-op steps over the same arguments, flat or as pytrees")
   parser.add_argument("--stream-prompt", type=int, default=0, metavar="TOKENS",
                       help="also time m3jax.generate_stream per concurrency on prompts of this many random "
-                           "tokens (--decode-steps + 2 tokens each; 0 = off)")
+                           "tokens (about --decode-steps timed tokens each; 0 = off)")
+  parser.add_argument("--stream-steps-per-call", default="1,4",
+                      help="comma-separated generate_stream steps_per_call values to time with --stream-prompt")
   parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                       help="an XLA option for the decode step's compilation (repeatable), e.g. "
                            "xla_gpu_dot_merger_threshold_mb=0")
@@ -382,12 +388,12 @@ def main() -> None:
       print(f"decode concurrency {c} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by "
             "name (launches, us):", *(f"  {row}" for row in prof["by_name"]), sep="\n", flush=True)
     del caches
-    if args.stream_prompt:
-      stream = stream_tpot(model, c, args.stream_prompt, steps + 2)
-      report[f"decode_c{c}"]["generate_stream"] = stream
-      print(f"decode concurrency {c} generate_stream ({args.stream_prompt}-token prompts): {stream['tpot_ms']:.2f} ms "
-            f"per token (median; max {stream['tpot_max_ms']:.2f}), first prefill {stream['prefill_first_call_s']:.1f}s",
-            flush=True)
+    for n in [int(v) for v in args.stream_steps_per_call.split(",") if v] if args.stream_prompt else []:
+      stream = stream_tpot(model, c, args.stream_prompt, calls=max(4, -(-steps // n) + 2), steps_per_call=n)
+      report[f"decode_c{c}"][f"generate_stream_{n}"] = stream
+      print(f"decode concurrency {c} generate_stream, {n} steps per call ({args.stream_prompt}-token prompts): "
+            f"{stream['tpot_ms']:.2f} ms per token (slowest call {stream['call_ms_max']:.2f} ms; first prefill "
+            f"{stream['prefill_first_call_s']:.1f}s)", flush=True)
     save()
   save()
 

@@ -142,20 +142,25 @@ def dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise) -> tu
   return caches, out
 
 
-def stream_tpot(model: M3ForCausalLM, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
-  """Wall time per token of ``m3jax.generate_stream`` (host loop, one jitted step per token, step s + 1
-  dispatched before step s is read): ``batch`` random prompts of ``prompt_len`` tokens, ``new_tokens``
-  tokens each (no EOS). The first two tokens (compile, pipeline fill) are excluded from the median."""
+def stream_tpot(model: M3ForCausalLM, batch: int, prompt_len: int, calls: int, steps_per_call: int = 1,
+                seed: int = 0) -> dict:
+  """Wall time per token of ``m3jax.generate_stream`` (a host loop of jitted calls of ``steps_per_call`` decode
+  steps, call c + 1 dispatched before call c is read): ``batch`` random prompts of ``prompt_len`` tokens,
+  ``calls`` x ``steps_per_call`` new tokens each (no EOS). The first two calls (compile, pipeline fill) are
+  not timed: the rate runs from the last token of call 2 to the last token."""
   from m3jax.generate import generate_stream  # pylint: disable=g-import-not-at-top
 
-  if new_tokens < 4:
-    raise ValueError(f"new_tokens must be >= 4 to time a steady state, got {new_tokens}")
+  if calls < 4:
+    raise ValueError(f"calls must be >= 4 to time a steady state, got {calls}")
   rng = np.random.default_rng(seed)
   prompts = rng.integers(0, model.config.text.vocab_size, (batch, prompt_len), dtype=np.int32)
   timings: dict[str, float] = {}
   stamps = []
-  for _ in generate_stream(model, prompts, max_new_tokens=new_tokens, eos_token_ids=[], timings=timings):
+  for _ in generate_stream(model, prompts, max_new_tokens=calls * steps_per_call, eos_token_ids=[],
+                           timings=timings, steps_per_call=steps_per_call):
     stamps.append(time.perf_counter())
-  gaps = np.diff(stamps)[2:] * 1e3
-  return {"tpot_ms": float(np.median(gaps)), "tpot_max_ms": float(gaps.max()), "tokens": len(stamps),
+  first = 2 * steps_per_call - 1
+  call_ms = np.diff(stamps[first::steps_per_call]) * 1e3  # one entry per timed call
+  return {"tpot_ms": (stamps[-1] - stamps[first]) * 1e3 / (len(stamps) - 1 - first),
+          "call_ms_max": float(call_ms.max()), "tokens": len(stamps), "steps_per_call": steps_per_call,
           "prompt_len": prompt_len, "prefill_first_call_s": timings["prefill_s"]}

@@ -150,8 +150,9 @@ def test_bench_full_one_shard_smoke(tmp_path):
   d = r["decode_c4"]
   assert d["tpot_chained_ms"] > 0 and d["tok_s_per_gpu"] == pytest.approx(4 / d["tpot_chained_ms"] * 1e3 / 2)
   assert d["tpot_looped_ms"] > 0
-  stream = d["generate_stream"]
-  assert stream["tokens"] == 4 and stream["prompt_len"] == 16 and 0 < stream["tpot_ms"] <= stream["tpot_max_ms"]
+  one, four = d["generate_stream_1"], d["generate_stream_4"]  # --decode-steps 2: 4 calls of 1, 4 calls of 4
+  assert (one["tokens"], four["tokens"], four["steps_per_call"], four["prompt_len"]) == (4, 16, 4, 16)
+  assert one["tpot_ms"] > 0 and four["tpot_ms"] > 0 and four["call_ms_max"] > 0
   assert r["prefill"]["tok_s_per_gpu"] == pytest.approx(64 / r["prefill"]["ttft_ms"] * 1e3 / 2)
   # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 2..8 experts
   assert 2 <= d["distinct_experts_mean"] <= 8 and d["routed_roofline_ms"] > 0

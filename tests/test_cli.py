@@ -32,12 +32,13 @@ def test_demo_command_streams_text(capsys, tmp_path):
   assert "generated 8" in err and "time to first token" in err and "decode" in err
 
 
-def test_generate_with_prompt_ids_matches_the_library(capsys):
+@pytest.mark.parametrize("steps_per_call", ["1", "4"])
+def test_generate_with_prompt_ids_matches_the_library(capsys, steps_per_call):
   ckpt = FIXTURES / "flat_b16" / "checkpoint"
   ref = np.load(FIXTURES / "flat_b16" / "reference.npz")
   prompt = ref["input_ids"][0, :ref["gen_prompt_lens"][0]].tolist()
   assert cli.main(["generate", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "10",
-                   "--kernels", "reference"]) == 0
+                   "--kernels", "reference", "--steps-per-call", steps_per_call]) == 0
   out, _ = capsys.readouterr()
   assert [int(t) for t in out.split()] == ref["gen_tokens"][0, :10].tolist()
 

@@ -81,24 +81,34 @@ def test_prompts_in_the_same_bucket_compile_once(models):
   assert _generate_jit._cache_size() == before + 1
 
 
-def test_stream_yields_the_same_tokens(models):
+@pytest.mark.parametrize("steps_per_call", [1, 5])  # 5: calls of 5, 5 and 2 steps
+def test_stream_yields_the_same_tokens(models, steps_per_call):
   model = models["legacy_b128"]
   _, prompts = _prompts("legacy_b128")
-  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=12, eos_token_ids=())), axis=1)
-  np.testing.assert_array_equal(streamed, generate(model, prompts, max_new_tokens=12, eos_token_ids=()).tokens)
+  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=12, eos_token_ids=(),
+                                           steps_per_call=steps_per_call, temperature=0.8, seed=3)), axis=1)
+  expected = generate(model, prompts, max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=3).tokens
+  np.testing.assert_array_equal(streamed, expected)
 
 
-def test_stream_stops_like_generate(models):
-  """Stopped sequences yield -1, and the stream ends once every sequence has stopped."""
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_stream_stops_like_generate(models, steps_per_call):
+  """Stopped sequences yield -1, and the stream ends once every sequence has stopped (mid-call too)."""
   model = models["flat_b16"]
   ref, prompts = _prompts("flat_b16")
   stops = [int(ref["gen_tokens"][0, 2]), int(ref["gen_tokens"][1, 4])]
   out = generate(model, prompts, max_new_tokens=16, eos_token_ids=stops)
-  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=16, eos_token_ids=stops)), axis=1)
+  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=16, eos_token_ids=stops,
+                                           steps_per_call=steps_per_call)), axis=1)
   assert streamed.shape[1] == out.lengths.max() < 16
   after_stop = np.arange(streamed.shape[1])[None] >= out.lengths[:, None]
   assert after_stop.any()
   np.testing.assert_array_equal(streamed, np.where(after_stop, -1, out.tokens[:, :streamed.shape[1]]))
+
+
+def test_stream_rejects_a_bad_steps_per_call(models):
+  with pytest.raises(ValueError, match="steps_per_call must be >= 1"):
+    next(generate_stream(models["flat_b16"], [[1, 2, 3]], max_new_tokens=4, steps_per_call=0))
 
 
 def test_eos_stops_a_sequence_and_pads(models):
