@@ -1,0 +1,136 @@
+"""Every kernel configuration the model uses lowers to Mosaic GPU for CUDA, checked on a CPU.
+
+Interpret mode runs a kernel's Python semantics, not its Hopper lowering: it accepted a MoE decode tile whose
+two warpgroups each took 32 weight columns, which the wgmma lowering rejects (whole 64-column swizzle tiles
+only; found on the H200, BENCHMARKS.md "ninth session"). Lowering with ``lowering_platforms=("cuda",)`` builds
+the same Mosaic GPU module as a GPU run does, without a GPU and without allocating the operands (shapes only),
+so these tests catch such tiles at M3's own shapes -- the full model on one device and one GPU's slice of an
+8- and a 16-way tensor-parallel split -- in CI. Compilation to a cubin still needs the GPU (the `gpu` modes of
+the other kernel tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.attention import causal_attention, sparse_attention
+from pallas_kernels.indexer import indexer_topk
+from pallas_kernels.moe import moe_block, routed_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+  """Per-device shapes of one M3 layer (M3_SPEC §1; a tensor-parallel slice as bench_full.shard_config)."""
+
+  name: str
+  q_heads: int
+  kv_heads: int
+  index_heads: int
+  expert_width: int  # routed and shared expert intermediate size
+
+
+FULL = Dims("full", q_heads=64, kv_heads=4, index_heads=4, expert_width=3072)
+TP8 = Dims("tp8", q_heads=8, kv_heads=1, index_heads=1, expert_width=384)
+TP16 = Dims("tp16", q_heads=4, kv_heads=1, index_heads=1, expert_width=192)
+HIDDEN, HEAD_DIM, EXPERTS, TOP_K, BLOCK, TOP_BLOCKS = 6144, 128, 128, 4, 128, 16
+DIMS = [pytest.param(d, id=d.name) for d in (FULL, TP8, TP16)]
+# (batch, new tokens, cached tokens before them): prefill not a multiple of the key block, a chunk of prefill
+# after a cached prefix, decode of a batch against a long cache.
+CALLS = [pytest.param(1, 1000, 0, id="prefill"), pytest.param(1, 300, 1000, id="chunked"),
+         pytest.param(8, 1, 4095, id="decode")]
+
+
+def _spec(shape, dtype=jnp.bfloat16) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _lower_for_cuda(fn, *args, **kwargs) -> str:
+  """The StableHLO text of fn(*args, **kwargs) lowered for CUDA (raises what a GPU run would raise)."""
+  return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _assert_mosaic(text: str) -> None:
+  assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered program (a reference path ran instead)"
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("tokens", [4, 64, 300], ids=["decode4", "decode64", "prefill300"])
+def test_moe_block_lowers(dims: Dims, tokens: int):
+  i = dims.expert_width
+  args = (_spec((tokens, HIDDEN)), _spec((HIDDEN, EXPERTS), jnp.float32), _spec((EXPERTS,), jnp.float32),
+          _spec((EXPERTS, HIDDEN, 2 * i)), _spec((EXPERTS, i, HIDDEN)), _spec((HIDDEN, 2 * i)), _spec((i, HIDDEN)))
+  _assert_mosaic(_lower_for_cuda(
+      lambda *a: moe_block(*a, top_k=TOP_K, routed_scaling_factor=2.5, swiglu_alpha=1.702, swiglu_limit=7.0,
+                           num_sms=132), *args))
+
+
+@pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
+def test_moe_block_lowers_in_fp32(tokens: int):
+  """fp32 checkpoints run the same kernels on a bf16 hi/lo split."""
+  h, e, i = 512, 16, 256
+  f32 = jnp.float32
+  args = (_spec((tokens, h), f32), _spec((h, e), f32), _spec((e,), f32), _spec((e, h, 2 * i), f32),
+          _spec((e, i, h), f32), _spec((h, 2 * i), f32), _spec((i, h), f32))
+  _assert_mosaic(_lower_for_cuda(
+      lambda *a: moe_block(*a, top_k=TOP_K, routed_scaling_factor=1.0, swiglu_alpha=1.702, swiglu_limit=7.0,
+                           num_sms=132), *args))
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
+def test_expert_parallel_routed_experts_lower(dims: Dims, tokens: int):
+  """One device of an 8-way expert-parallel mesh: 16 of the 128 experts."""
+  i, local = dims.expert_width, EXPERTS // 8
+  args = (_spec((tokens, HIDDEN)), _spec((tokens, TOP_K), jnp.float32), _spec((tokens, TOP_K), jnp.int32),
+          _spec((local, HIDDEN, 2 * i)), _spec((local, i, HIDDEN)), _spec((), jnp.int32))
+  _assert_mosaic(_lower_for_cuda(
+      lambda *a: routed_experts(*a, alpha=1.702, limit=7.0, num_sms=132), *args))
+
+
+def _positions(batch: int, new: int) -> jax.ShapeDtypeStruct:
+  return _spec((batch, new), jnp.int32)
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("batch,new,cached", CALLS)
+def test_indexer_lowers(dims: Dims, batch: int, new: int, cached: int):
+  args = (_spec((batch, new, dims.index_heads, HEAD_DIM)), _spec((batch, cached + new, HEAD_DIM)),
+          _positions(batch, new))
+  _assert_mosaic(_lower_for_cuda(
+      lambda *a: indexer_topk(*a, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1), *args))
+
+
+def _lower_attention(dims: Dims, lower) -> None:
+  """Lowers, or for fewer than 8 query heads per KV group (a 16-way split's 4) checks the kernel refuses the
+  shape with NotImplementedError: the rule on which m3jax.ops falls back to the reference."""
+  if dims.q_heads // dims.kv_heads < 8:
+    with pytest.raises(NotImplementedError, match="heads per KV group"):
+      lower()
+  else:
+    _assert_mosaic(lower())
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("batch,new,cached", CALLS)
+def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
+  sk = cached + new
+  args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
+          _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32),
+          _positions(batch, new))
+  _lower_attention(dims, lambda: _lower_for_cuda(
+      lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5), *args))
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("batch,new,cached", CALLS)
+def test_causal_attention_kernel_lowers(dims: Dims, batch: int, new: int, cached: int):
+  """The Pallas path of the dense layers (cuDNN takes plain prefills on a GPU; here the kernel is forced)."""
+  sk = cached + new
+  args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
+          _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _positions(batch, new))
+  _lower_attention(dims, lambda: _lower_for_cuda(
+      lambda *a: causal_attention(*a, scale=HEAD_DIM ** -0.5, use_cudnn=False), *args))
