@@ -60,7 +60,7 @@ def run_op(
   """Runs ``kernel_module.kernel_name(*args, **kwargs, interpret=...)`` or ``reference(*args, **kwargs)``."""
   if choice == "reference":
     return reference(*args, **kwargs)
-  on_gpu = jax.default_backend() == "gpu"
+  on_gpu = _on_gpu()
   kernel = _find_kernel(kernel_module, kernel_name)
   if kernel is None:
     if choice == "pallas":
@@ -78,6 +78,11 @@ def run_op(
   except NotImplementedError as e:
     _log_once(f"{kernel_module}.{kernel_name}: falls back to the reference: {e}")
     return reference(*args, **kwargs)
+
+
+def _on_gpu() -> bool:
+  """Whether kernels run compiled (a GPU backend) rather than in the GPU interpreter."""
+  return jax.default_backend() == "gpu"
 
 
 def _multi_device_plan() -> bool:

@@ -11,12 +11,19 @@ the other kernel tests).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
+from m3jax.config import M3Config, m3_full
+from m3jax.generate import _decode, _prefill
+from m3jax.model import M3ForCausalLM
+from m3jax.ops import dispatch
 from pallas_kernels.attention import causal_attention, sparse_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.moe import moe_block, routed_experts
@@ -134,3 +141,36 @@ def test_causal_attention_kernel_lowers(dims: Dims, batch: int, new: int, cached
           _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _positions(batch, new))
   _lower_attention(dims, lambda: _lower_for_cuda(
       lambda *a: causal_attention(*a, scale=HEAD_DIM ** -0.5, use_cudnn=False), *args))
+
+
+def _kernel_kinds(text: str) -> collections.Counter:
+  """Mosaic GPU kernel modules of a lowered program by kind (attention / indexer / moe); a module called by
+  several layers appears once."""
+  names = re.findall(r"m3_(attention|indexer)\w*?_mosaic|(moe)_grouped_\w*?_mosaic", text)
+  return collections.Counter(a or b for a, b in names)
+
+
+def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
+  """A decode step and a prefill of one GPU's 8-way slice (real widths, 1 dense + 3 sparse MoE layers) with
+  M3JAX_KERNELS=pallas lower for CUDA with every op on its kernel (none fell back to a reference)."""
+  monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)  # compiled kernels, as on a GPU backend
+  text_cfg = dataclasses.replace(
+      m3_full().text, num_layers=4, attention_types=("full",) + ("sparse",) * 3, mlp_types=("dense",) + ("moe",) * 3,
+      num_heads=TP8.q_heads, num_kv_heads=TP8.kv_heads, index_num_heads=TP8.index_heads,
+      intermediate_size=TP8.expert_width, shared_intermediate_size=TP8.expert_width, dense_intermediate_size=1536,
+      vocab_size=25008)
+  model = nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
+  graphdef, state = nnx.split(model)
+
+  def lower(fn, *args) -> collections.Counter:
+    return _kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text())
+
+  batch, cache = 4, 4096
+  caches = jax.eval_shape(lambda: model.init_caches(batch, cache))
+  decode = lower(lambda st, tok, pos, c: _decode(nnx.merge(graphdef, st), tok, pos, c),
+                 _spec((batch,), jnp.int32), _spec((batch,), jnp.int32), caches)
+  # the dense layer's and the sparse layers' attention, the indexer, the MoE gate/up and down GEMMs
+  assert decode == {"attention": 2, "indexer": 1, "moe": 2}, decode
+  prefill = lower(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
+                  _spec((1, 1000), jnp.int32), _spec((1,), jnp.int32))
+  assert prefill == {"attention": 2, "indexer": 1, "moe": 2}, prefill
