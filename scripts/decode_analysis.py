@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax.config import TextConfig
+from m3jax.generate import generate_stream
 from m3jax.model import M3ForCausalLM
 from m3jax.research import Collect
 
@@ -148,8 +149,6 @@ def stream_tpot(model: M3ForCausalLM, batch: int, prompt_len: int, calls: int, s
   steps, call c + 1 dispatched before call c is read): ``batch`` random prompts of ``prompt_len`` tokens,
   ``calls`` x ``steps_per_call`` new tokens each (no EOS). The first two calls (compile, pipeline fill) are
   not timed: the rate runs from the last token of call 2 to the last token."""
-  from m3jax.generate import generate_stream  # pylint: disable=g-import-not-at-top
-
   if calls < 4:
     raise ValueError(f"calls must be >= 4 to time a steady state, got {calls}")
   rng = np.random.default_rng(seed)
