@@ -6,6 +6,7 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py bytes FIXTURE MESH ...           per-device parameter bytes vs the plan
   python tests/sharding_worker.py distributed FIXTURE MESH PORT PROCESS_ID NUM_PROCESSES
   python tests/sharding_worker.py pallas_on_cpu_mesh MESH           kernels='pallas' on CPU devices: by rule
+  python tests/sharding_worker.py cuda_lowering MESH ...            Mosaic GPU kernels per lowered step
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP).
 Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
@@ -177,10 +178,62 @@ def pallas_on_cpu_mesh(mesh_arg: str) -> dict:
   return {"max_abs_diff": float(np.abs(out["pallas"] - out["reference"]).max()), "messages": messages}
 
 
+def cuda_lowering(*mesh_args: str) -> dict:
+  """Per mesh: the Mosaic GPU kernels (by kind) of a decode step and a prefill of a real-dims M3 (1 dense + 3
+  sparse MoE layers, parameters and caches as sharded abstract arrays) with kernels='pallas', lowered for CUDA
+  as on 8 GPUs: each op runs its kernel inside shard_map at per-device shapes, none falls back."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  sys.path.insert(0, str(pathlib.Path(__file__).parent / "kernels"))
+  from kernel_modes import lowered_kernel_kinds  # pylint: disable=g-import-not-at-top
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.cache import LayerCache  # pylint: disable=g-import-not-at-top
+  from m3jax.config import M3Config, m3_full  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import _decode, _prefill  # pylint: disable=g-import-not-at-top
+  from m3jax.model import M3ForCausalLM  # pylint: disable=g-import-not-at-top
+  from m3jax.ops import dispatch  # pylint: disable=g-import-not-at-top
+
+  dispatch._on_gpu = lambda: True  # compiled kernels, as on GPUs (this process only lowers, never runs them)
+  cfg = M3Config(text=dataclasses.replace(m3_full().text, num_layers=4, attention_types=("full",) + ("sparse",) * 3,
+                                          mlp_types=("dense",) + ("moe",) * 3))
+  out = {}
+  for mesh_arg in mesh_args:
+    mesh, rules = _mesh_and_rules(mesh_arg)
+    plan = sharding.ShardingPlan(mesh, rules)
+    model = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas"))
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+      var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype,
+                                         sharding=plan.sharding(sharding.logical_axes_of(var), var.shape)))
+    model.sharding_plan = plan
+    graphdef, state = nnx.split(model)
+    batch = 8
+    caches = tuple(
+        LayerCache(**{f: None if getattr(c, f) is None else jax.ShapeDtypeStruct(
+            getattr(c, f).shape, getattr(c, f).dtype,
+            sharding=plan.sharding(LayerCache.LOGICAL_AXES[f], getattr(c, f).shape)) for f in ("k", "v", "idx_k")})
+        for c in jax.eval_shape(lambda: model.init_caches(batch, 4096)))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
+
+    def kinds(fn, *args) -> dict:
+      return dict(lowered_kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text()))
+
+    out[mesh_arg] = {
+        "decode": kinds(lambda st, tok, pos, c: _decode(nnx.merge(graphdef, st), tok, pos, c),
+                        ints(batch), ints(batch), caches),
+        "prefill": kinds(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
+                         ints(batch, 1000), ints(batch)),
+    }
+  return out
+
+
 def main(argv: list[str]) -> None:
   commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
               "vision": vision,
-              "pallas_on_cpu_mesh": pallas_on_cpu_mesh}
+              "pallas_on_cpu_mesh": pallas_on_cpu_mesh, "cuda_lowering": cuda_lowering}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 

@@ -177,6 +177,15 @@ def test_pallas_without_gpu_on_a_multi_device_mesh_takes_the_reference_by_rule()
   assert any("cannot run kernels on several devices" in m and "routed_experts" in m for m in result["messages"])
 
 
+def test_sharded_steps_lower_to_mosaic_gpu_kernels_on_every_mesh():
+  """The 8-GPU programs (real M3 dims, 4 layers) lowered for CUDA on 8 CPU devices: in a decode step and a
+  prefill every attention, indexer and MoE op runs its Mosaic GPU kernel inside shard_map on each mesh."""
+  result = run_worker("cuda_lowering", *MESHES)
+  for mesh in MESHES:
+    for step in ("decode", "prefill"):
+      assert result[mesh][step] == {"attention": 2, "indexer": 1, "moe": 2}, (mesh, step, result[mesh][step])
+
+
 def test_per_device_parameter_bytes_match_the_plan():
   meshes = ["tensor=8", "expert=8", "expert=4,tensor=2", "data=2,tensor=4"]
   result = run_worker("bytes", "legacy_b128", *meshes)

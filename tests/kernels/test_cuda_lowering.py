@@ -11,9 +11,7 @@ the other kernel tests).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from m3jax.config import M3Config, m3_full
 from m3jax.generate import _decode, _prefill
 from m3jax.model import M3ForCausalLM
 from m3jax.ops import dispatch
+from kernel_modes import lowered_kernel_kinds
 from pallas_kernels.attention import causal_attention, sparse_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.moe import moe_block, routed_experts
@@ -143,13 +142,6 @@ def test_causal_attention_kernel_lowers(dims: Dims, batch: int, new: int, cached
       lambda *a: causal_attention(*a, scale=HEAD_DIM ** -0.5, use_cudnn=False), *args))
 
 
-def _kernel_kinds(text: str) -> collections.Counter:
-  """Mosaic GPU kernel modules of a lowered program by kind (attention / indexer / moe); a module called by
-  several layers appears once."""
-  names = re.findall(r"m3_(attention|indexer)\w*?_mosaic|(moe)_grouped_\w*?_mosaic", text)
-  return collections.Counter(a or b for a, b in names)
-
-
 def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
   """A decode step and a prefill of one GPU's 8-way slice (real widths, 1 dense + 3 sparse MoE layers) with
   M3JAX_KERNELS=pallas lower for CUDA with every op on its kernel (none fell back to a reference)."""
@@ -162,8 +154,8 @@ def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
   model = nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
   graphdef, state = nnx.split(model)
 
-  def lower(fn, *args) -> collections.Counter:
-    return _kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text())
+  def lower(fn, *args):
+    return lowered_kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text())
 
   batch, cache = 4, 4096
   caches = jax.eval_shape(lambda: model.init_caches(batch, cache))
@@ -174,3 +166,4 @@ def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
   prefill = lower(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
                   _spec((1, 1000), jnp.int32), _spec((1,), jnp.int32))
   assert prefill == {"attention": 2, "indexer": 1, "moe": 2}, prefill
+  # The same on the 8-device meshes, kernels inside shard_map: tests/test_sharding.py (cuda_lowering worker).
