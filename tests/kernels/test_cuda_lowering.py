@@ -120,6 +120,16 @@ def _lower_attention(dims: Dims, lower) -> None:
     _assert_mosaic(lower())
 
 
+@pytest.mark.parametrize("batch,new,cached", CALLS)
+def test_indexer_lowers_in_fp32(batch: int, new: int, cached: int):
+  """fp32 checkpoints: the index scores run on a bf16 hi/lo split of the fp32 operands."""
+  f32 = jnp.float32
+  args = (_spec((batch, new, FULL.index_heads, HEAD_DIM), f32), _spec((batch, cached + new, HEAD_DIM), f32),
+          _positions(batch, new))
+  _assert_mosaic(_lower_for_cuda(
+      lambda *a: indexer_topk(*a, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1), *args))
+
+
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("batch,new,cached", CALLS)
 def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
