@@ -5,8 +5,10 @@ block-list kernel of kernel_sm90.py; causal_attention first tries cuDNN's fused 
 queries are a plain prefill (Sq == Sk and q_positions == arange, checked at run time with lax.cond).
 
 dtypes: bf16/f16 (fp32 softmax and accumulation, P rounded to the input dtype before P.V, like the
-reference). Other dtypes, block_size != 128, head dim not in {64, 128} or heads per group not a
-multiple of 8 (or > 64) raise NotImplementedError so a caller can fall back to the reference.
+reference). Other dtypes, block_size != 128, head dim not in {64, 128} or more than 64 heads per KV group
+raise NotImplementedError so a caller can fall back to the reference. A group of heads that is not a
+multiple of 8 (e.g. 4 on a 16-way tensor-parallel slice of M3) runs with zero query heads padding it to the
+next multiple, whose rows are computed and dropped.
 """
 
 from __future__ import annotations
@@ -43,8 +45,23 @@ def _check_qkv(q, k, v, q_positions):
   if d not in (64, 128):
     raise NotImplementedError(f"attention kernel supports head dim 64 or 128, got {d}")
   hpg = nq // k.shape[2]
-  if hpg % 8 or hpg > ROWS_PER_TILE:
-    raise NotImplementedError(f"attention kernel needs heads per KV group in {{8, 16, .., 64}}, got {hpg}")
+  if hpg > ROWS_PER_TILE:
+    raise NotImplementedError(f"attention kernel supports at most {ROWS_PER_TILE} heads per KV group, got {hpg}")
+
+
+def _kernel_heads_per_group(hpg: int) -> int:
+  """Heads per KV group as the kernel runs them: a multiple of 8 (rows of a query in the wgmma tile)."""
+  return -(-hpg // 8) * 8
+
+
+def _pad_heads(q: jax.Array, num_kv_heads: int, hpg_run: int) -> jax.Array:
+  """q [B, S, Nkv * hpg, D] -> [B, S, Nkv * hpg_run, D]: zero heads appended to each KV group."""
+  b, s, nq, d = q.shape
+  hpg = nq // num_kv_heads
+  if hpg == hpg_run:
+    return q
+  q = q.reshape(b, s, num_kv_heads, hpg, d)
+  return jnp.pad(q, [(0, 0), (0, 0), (0, 0), (0, hpg_run - hpg), (0, 0)]).reshape(b, s, num_kv_heads * hpg_run, d)
 
 
 def _interpret_params(interpret: Any) -> Any:
@@ -100,12 +117,16 @@ def _merge_splits(o: jax.Array, lse: jax.Array | None) -> jax.Array:
 
 
 def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes, check_users, interpret):
-  """Pads queries to whole tiles and keys to whole blocks, runs the kernel, merges splits, unpads.
+  """Pads each KV group's heads to a multiple of 8, queries to whole tiles and keys to whole blocks, runs the
+  kernel, merges splits, unpads.
 
+  make_plan(positions, sq_pad, queries_per_tile, compute_wgs, heads_per_group) builds the block lists.
   check_users: the plan is sparse (rows are masked by their query's bit of each entry's user mask).
   """
   b, sq, nq, d = q.shape
-  hpg = nq // k.shape[2]
+  nkv = k.shape[2]
+  hpg = _kernel_heads_per_group(nq // nkv)
+  q = _pad_heads(q, nkv, hpg)
   if block_sizes is None:
     block_sizes = heuristic_block_sizes(
         b, sq, k.shape[2], hpg, list_len, warp_specialized=not interpret, sparse=check_users
@@ -114,7 +135,7 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   sq_pad = padded_query_count(sq, block_sizes.queries_per_tile)
   q = jnp.pad(q, [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
-  plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs)
+  plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs, hpg)
   kp, vp = _pad_keys(k, v)
   launch = ws_attention_pallas if block_sizes.compute_wgs == 2 else attention_pallas
   o, lse = launch(
@@ -122,7 +143,10 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
       check_users=check_users, p_in_smem=block_sizes.p_in_smem,
       interpret=_interpret_params(interpret),
   )
-  return _merge_splits(o, lse)[:, :sq]
+  o = _merge_splits(o, lse)[:, :sq]
+  if hpg * nkv == nq:
+    return o
+  return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))
@@ -161,12 +185,12 @@ def sparse_attention(
     raise ValueError(f"block_ids must be [B={b}, Sq={sq}, Nkv={k.shape[2]}, T], got {block_ids.shape}")
   if block_size != KEY_BLOCK:
     raise NotImplementedError(f"sparse attention kernel supports block_size={KEY_BLOCK} only, got {block_size}")
-  hpg = q.shape[2] // k.shape[2]
+  hpg = _kernel_heads_per_group(q.shape[2] // k.shape[2])
   topk = block_ids.shape[3]
 
-  def make_plan(positions, sq_pad, qpt, wgs):
+  def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
     ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
-    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
+    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=heads_per_group,
                        compute_wgs=wgs)
 
   # Longest block list of a tile, for the heuristic's split count (splits only run on the one-warpgroup
@@ -180,12 +204,10 @@ def sparse_attention(
 
 
 def _dense_kernel_attention(q, k, v, q_positions, *, scale, block_sizes, interpret):
-  hpg = q.shape[2] // k.shape[2]
-
-  def make_plan(positions, sq_pad, qpt, wgs):
+  def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
     return dense_causal_plan(
-        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt, heads_per_group=hpg,
-        compute_wgs=wgs,
+        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt,
+        heads_per_group=heads_per_group, compute_wgs=wgs,
     )
 
   return _run_kernel(

@@ -166,6 +166,18 @@ def test_causal_prefill(mode):
   _assert_close(got, causal_attention_reference(q, k, v, positions, scale=0.125), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nq,nkv", [(8, 2), (24, 2)], ids=["4_per_group", "12_per_group"])
+def test_heads_per_group_not_a_multiple_of_8(mode, nq, nkv):
+  """4 heads per KV group (a 16-way tensor-parallel slice of M3) or 12: zero heads pad each group to a
+  multiple of 8 for the kernel; the real heads match the references (sparse decode rows and a causal chunk)."""
+  positions = jnp.array([[5, 130, 299]], jnp.int32)
+  _sparse_case(mode, 1, 3, nq, nkv, 64, 300, positions, topk=2)
+  q, k, v = _qkv(1, 3, nq, nkv, 64, 300, jnp.bfloat16, seed=2)
+  got = causal_attention(q, k, v, positions, scale=0.125, interpret=(mode == "interpret"))
+  _assert_close(got, causal_attention_reference(q, k, v, positions, scale=0.125), jnp.bfloat16)
+
+
 def test_rejects_unsupported():
   q, k, v = _qkv(1, 4, 16, 2, 64, 256, jnp.bfloat16)
   pos = jnp.arange(4, dtype=jnp.int32)[None]
@@ -175,8 +187,8 @@ def test_rejects_unsupported():
   with pytest.raises(NotImplementedError):
     sparse_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), ids, pos,
                      block_size=128, scale=0.1, interpret=True)
-  with pytest.raises(NotImplementedError):  # 4 heads per group: not a multiple of 8
-    causal_attention(q[:, :, :8], k, v, pos, scale=0.1, interpret=True)
+  with pytest.raises(NotImplementedError, match="at most 64 heads per KV group"):
+    causal_attention(jnp.tile(q, (1, 1, 9, 1)), k, v, pos, scale=0.1, interpret=True)  # 72 per group
   with pytest.raises(ValueError):
     sparse_attention(q, k, v, ids[:, :, :1], pos, block_size=128, scale=0.1, interpret=True)
   with pytest.raises(ValueError):

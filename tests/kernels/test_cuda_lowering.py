@@ -5,8 +5,8 @@ two warpgroups each took 32 weight columns, which the wgmma lowering rejects (wh
 only; found on the H200, BENCHMARKS.md "ninth session"). Lowering with ``lowering_platforms=("cuda",)`` builds
 the same Mosaic GPU module as a GPU run does, without a GPU and without allocating the operands (shapes only),
 so these tests catch such tiles at M3's own shapes -- the full model on one device and one GPU's slice of an
-8- and a 16-way tensor-parallel split -- in CI. Compilation to a cubin still needs the GPU (the `gpu` modes of
-the other kernel tests).
+8- and a 16-way tensor-parallel split (4 query heads per KV group, which the attention ops pad to 8) -- in CI.
+Compilation to a cubin still needs the GPU (the `gpu` modes of the other kernel tests).
 """
 
 from __future__ import annotations
@@ -110,26 +110,6 @@ def test_indexer_lowers(dims: Dims, batch: int, new: int, cached: int):
       lambda *a: indexer_topk(*a, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1), *args))
 
 
-def _lower_attention(dims: Dims, lower) -> None:
-  """Lowers, or for fewer than 8 query heads per KV group (a 16-way split's 4) checks the kernel refuses the
-  shape with NotImplementedError: the rule on which m3jax.ops falls back to the reference."""
-  if dims.q_heads // dims.kv_heads < 8:
-    with pytest.raises(NotImplementedError, match="heads per KV group"):
-      lower()
-  else:
-    _assert_mosaic(lower())
-
-
-@pytest.mark.parametrize("batch,new,cached", CALLS)
-def test_indexer_lowers_in_fp32(batch: int, new: int, cached: int):
-  """fp32 checkpoints: the index scores run on a bf16 hi/lo split of the fp32 operands."""
-  f32 = jnp.float32
-  args = (_spec((batch, new, FULL.index_heads, HEAD_DIM), f32), _spec((batch, cached + new, HEAD_DIM), f32),
-          _positions(batch, new))
-  _assert_mosaic(_lower_for_cuda(
-      lambda *a: indexer_topk(*a, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1), *args))
-
-
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("batch,new,cached", CALLS)
 def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
@@ -137,7 +117,7 @@ def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
   args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
           _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32),
           _positions(batch, new))
-  _lower_attention(dims, lambda: _lower_for_cuda(
+  _assert_mosaic(_lower_for_cuda(
       lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5), *args))
 
 
@@ -148,7 +128,7 @@ def test_causal_attention_kernel_lowers(dims: Dims, batch: int, new: int, cached
   sk = cached + new
   args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
           _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _positions(batch, new))
-  _lower_attention(dims, lambda: _lower_for_cuda(
+  _assert_mosaic(_lower_for_cuda(
       lambda *a: causal_attention(*a, scale=HEAD_DIM ** -0.5, use_cudnn=False), *args))
 
 
