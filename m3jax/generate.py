@@ -343,8 +343,9 @@ def generate_stream(
   ``timings`` is given it receives 'prefill_s' (prefill wall time, compile included on a first call).
   ``steps_per_call`` decode steps run in each jitted call (an on-device loop) and their tokens arrive together:
   a call costs the host milliseconds at full depth, more than a step's device time at small batch, so > 1
-  trades streaming granularity for throughput (BENCHMARKS.md, "Full-depth decode"). Up to steps_per_call - 1
-  steps may run past the point where every sequence has stopped.
+  trades streaming granularity for throughput (BENCHMARKS.md, "Full-depth decode"). Every call runs the same
+  number of steps (one compile) while the cache has room for them; the last call may run a few steps past
+  max_new_tokens, or past the point where every sequence has stopped, whose tokens are not yielded.
   """
   if steps_per_call < 1:
     raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
@@ -359,8 +360,9 @@ def generate_stream(
     timings["prefill_s"] = time.perf_counter() - start
   decoder = Decoder.of(model)
   key = decoder.put(jax.random.key(seed))
+  room = caches[0].max_length - int(lengths.max())  # steps the cache holds (>= max_new_tokens, validated)
   done = np.zeros(len(lengths), bool)
-  produced = 0  # steps dispatched so far
+  produced = yielded = 0  # steps dispatched, tokens yielded
   pending = None  # the previous call's tokens [n, B], still on the device
   # Call c + 1 is dispatched before call c's tokens are read back, so the host's work on a call (argument
   # handling, graph launch: milliseconds at full size) overlaps the device's work on the one before. After the
@@ -368,7 +370,8 @@ def generate_stream(
   while pending is not None or produced < max_new_tokens:
     dispatched = None
     if produced < max_new_tokens:
-      n = min(steps_per_call, max_new_tokens - produced)
+      # A full call if the cache has room (no second compile for a shorter last call), else what is left.
+      n = steps_per_call if produced + steps_per_call <= room else max_new_tokens - produced
       dispatched, logits, caches, key = decoder.sample_steps(logits, caches, lengths + produced, key, sampling, n)
       produced += n
     if pending is not None:
@@ -376,7 +379,8 @@ def generate_stream(
         out = np.where(done, -1, ready).astype(np.int32)
         done |= np.isin(ready, eos)
         yield out
-        if done.all():
+        yielded += 1
+        if done.all() or yielded == max_new_tokens:
           return
     pending = dispatched
 

@@ -7,7 +7,7 @@ import pytest
 
 import m3jax
 from conftest import FIXTURES
-from m3jax.generate import _generate_jit, bucket_length, generate, generate_stream, prefill
+from m3jax.generate import _generate_jit, _sample_decode_jit, bucket_length, generate, generate_stream, prefill
 from m3jax.sampling import SamplingParams, sample
 
 HF_FIXTURES = ["legacy_b128", "flat_local2_b128", "flat_b16"]
@@ -104,6 +104,26 @@ def test_stream_stops_like_generate(models, steps_per_call):
   after_stop = np.arange(streamed.shape[1])[None] >= out.lengths[:, None]
   assert after_stop.any()
   np.testing.assert_array_equal(streamed, np.where(after_stop, -1, out.tokens[:, :streamed.shape[1]]))
+
+
+def test_stream_calls_share_one_compile_and_yield_exactly_max_new_tokens(models):
+  """With room in the cache every call runs steps_per_call steps (12 tokens as 7 + 7: one compile, 2 tokens not
+  yielded); a cache without room for a full last call gets a shorter one (60 tokens after a 300-token prompt in
+  a 384-slot cache: 50 + 10, a second compile)."""
+  model = models["legacy_b128"]
+  _, prompts = _prompts("legacy_b128")
+  before = _sample_decode_jit._cache_size()
+  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=12, eos_token_ids=(), steps_per_call=7)),
+                      axis=1)
+  assert _sample_decode_jit._cache_size() == before + 1
+  np.testing.assert_array_equal(streamed, generate(model, prompts, max_new_tokens=12, eos_token_ids=()).tokens)
+  longest = max(len(p) for p in prompts)
+  assert longest == 300  # cache: 300 + 60 slots rounded up to 384, room for 84 steps
+  before = _sample_decode_jit._cache_size()
+  tight = np.stack(list(generate_stream(model, prompts, max_new_tokens=60, eos_token_ids=(), steps_per_call=50,
+                                        max_length=longest + 60)), axis=1)
+  assert _sample_decode_jit._cache_size() == before + 2  # calls of 50 and 10 steps
+  np.testing.assert_array_equal(tight, generate(model, prompts, max_new_tokens=60, eos_token_ids=()).tokens)
 
 
 def test_stream_rejects_a_bad_steps_per_call(models):

@@ -31,9 +31,9 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
                  help="an image for the prompt (repeatable); placed at the prompt's image markers, or before the "
                       "prompt text when it has none")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
-  p.add_argument("--steps-per-call", type=int, default=1,
-                 help="decode steps per device call; > 1 streams tokens in groups but saves the per-call host "
-                      "cost (milliseconds at full size)")
+  p.add_argument("--steps-per-call", type=int, default=4,
+                 help="decode steps per device call (default 4): tokens stream in groups of this size, and the "
+                      "per-call host cost (milliseconds at full size) is paid once per group; 1 = token by token")
 
 
 def run(args: argparse.Namespace) -> int:
