@@ -188,11 +188,9 @@ def cuda_lowering(*mesh_args: str) -> dict:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   sys.path.insert(0, str(pathlib.Path(__file__).parent / "kernels"))
-  from kernel_modes import lowered_kernel_kinds  # pylint: disable=g-import-not-at-top
+  from kernel_modes import lowered_step_kernels  # pylint: disable=g-import-not-at-top
   from m3jax import sharding  # pylint: disable=g-import-not-at-top
-  from m3jax.cache import LayerCache  # pylint: disable=g-import-not-at-top
   from m3jax.config import M3Config, m3_full  # pylint: disable=g-import-not-at-top
-  from m3jax.generate import _decode, _prefill  # pylint: disable=g-import-not-at-top
   from m3jax.model import M3ForCausalLM  # pylint: disable=g-import-not-at-top
   from m3jax.ops import dispatch  # pylint: disable=g-import-not-at-top
 
@@ -208,25 +206,8 @@ def cuda_lowering(*mesh_args: str) -> dict:
       var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype,
                                          sharding=plan.sharding(sharding.logical_axes_of(var), var.shape)))
     model.sharding_plan = plan
-    graphdef, state = nnx.split(model)
-    batch = 8
-    caches = tuple(
-        LayerCache(**{f: None if getattr(c, f) is None else jax.ShapeDtypeStruct(
-            getattr(c, f).shape, getattr(c, f).dtype,
-            sharding=plan.sharding(LayerCache.LOGICAL_AXES[f], getattr(c, f).shape)) for f in ("k", "v", "idx_k")})
-        for c in jax.eval_shape(lambda: model.init_caches(batch, 4096)))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
-
-    def kinds(fn, *args) -> dict:
-      return dict(lowered_kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text()))
-
-    out[mesh_arg] = {
-        "decode": kinds(lambda st, tok, pos, c: _decode(nnx.merge(graphdef, st), tok, pos, c),
-                        ints(batch), ints(batch), caches),
-        "prefill": kinds(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
-                         ints(batch, 1000), ints(batch)),
-    }
+    steps = lowered_step_kernels(model, decode_batch=8, prefill_batch=8)
+    out[mesh_arg] = {step: dict(kinds) for step, kinds in steps.items()}
   return out
 
 

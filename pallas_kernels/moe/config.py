@@ -64,14 +64,14 @@ class MoeBlockSizes:
 SMEM_LIMIT_BYTES = 227 * 1024
 
 
-def _fit_width(bs: MoeBlockSizes, widths: tuple[int, ...]) -> int:
-  """bs.block_n halved (down to 64) until it divides every output width (e.g. a tensor-parallel expert
-  slice of 192 columns); unchanged when it already divides them or when no power of two >= 64 does."""
-  bn = bs.block_n
+def _fit_width(block_n: int, widths: tuple[int, ...]) -> int:
+  """block_n halved (down to 64) until it divides every output width (e.g. a tensor-parallel expert slice of
+  192 columns); unchanged when it already divides them or when no power of two >= 64 does."""
+  bn = block_n
   while bn > 64 and any(w % bn for w in widths):
     bn //= 2
   if any(w % bn for w in widths):
-    return bs.block_n  # the kernel wrapper names the width that does not tile
+    return block_n  # the kernel wrapper names the width that does not tile
   return bn
 
 
@@ -86,7 +86,7 @@ def heuristic_block_sizes(num_tokens: int, top_k: int, num_experts: int, *,
   (the hidden size) narrow block_n to a power of two that divides them.
   """
   gate_up, down = _heuristic_tiles(num_tokens, top_k, num_experts)
-  gate_up_bn, down_bn = _fit_width(gate_up, gate_up_widths), _fit_width(down, down_widths)
+  gate_up_bn, down_bn = _fit_width(gate_up.block_n, gate_up_widths), _fit_width(down.block_n, down_widths)
   if min(gate_up_bn, down_bn) < 128:
     # A 64-column tile cannot be split between the two warpgroups by columns: split 128 rows instead
     # (both GEMMs, which share block_m). Decode pads its rows to 128; the kernel stays weight-read bound.

@@ -25,3 +25,39 @@ def lowered_kernel_kinds(stablehlo_text: str) -> collections.Counter:
   called by several layers appears once."""
   names = re.findall(r"m3_(attention|indexer)\w*?_mosaic|(moe)_grouped_\w*?_mosaic", stablehlo_text)
   return collections.Counter(a or b for a, b in names)
+
+
+def lowered_step_kernels(model, *, decode_batch: int, prefill_batch: int) -> dict[str, collections.Counter]:
+  """Kernel kinds of a decode step (4096-slot caches) and a prefill (1000-token prompts, 2048-slot caches) of an
+  abstract ``model`` lowered for CUDA; the caller makes m3jax.ops dispatch pick compiled kernels. Under the
+  model's sharding plan, parameters must carry their shardings; caches get the plan's, token inputs are
+  replicated."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from m3jax.cache import LayerCache  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import _decode, _prefill  # pylint: disable=g-import-not-at-top
+
+  plan = model.sharding_plan
+  graphdef, state = nnx.split(model)
+
+  def spec(shape, dtype, names=None):
+    if plan is None:
+      return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=plan.sharding(names or (None,) * len(shape), shape))
+
+  caches = tuple(
+      LayerCache(**{f: None if getattr(c, f) is None else spec(getattr(c, f).shape, getattr(c, f).dtype,
+                                                                 LayerCache.LOGICAL_AXES[f])
+                    for f in ("k", "v", "idx_k")})
+      for c in jax.eval_shape(lambda: model.init_caches(decode_batch, 4096)))
+
+  def kinds(fn, *args) -> collections.Counter:
+    return lowered_kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text())
+
+  return {
+      "decode": kinds(lambda st, tok, pos, c: _decode(nnx.merge(graphdef, st), tok, pos, c),
+                      spec((decode_batch,), jnp.int32), spec((decode_batch,), jnp.int32), caches),
+      "prefill": kinds(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
+                       spec((prefill_batch, 1000), jnp.int32), spec((prefill_batch,), jnp.int32)),
+  }

@@ -19,10 +19,9 @@ import pytest
 from flax import nnx
 
 from m3jax.config import M3Config, m3_full
-from m3jax.generate import _decode, _prefill
 from m3jax.model import M3ForCausalLM
 from m3jax.ops import dispatch
-from kernel_modes import lowered_kernel_kinds
+from kernel_modes import lowered_step_kernels
 from pallas_kernels.attention import causal_attention, sparse_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.moe import moe_block, routed_experts
@@ -110,6 +109,16 @@ def test_indexer_lowers(dims: Dims, batch: int, new: int, cached: int):
       lambda *a: indexer_topk(*a, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1), *args))
 
 
+@pytest.mark.parametrize("batch,new,cached", CALLS)
+def test_indexer_lowers_in_fp32(batch: int, new: int, cached: int):
+  """fp32 checkpoints: the index scores run on a bf16 hi/lo split of the fp32 operands."""
+  f32 = jnp.float32
+  args = (_spec((batch, new, FULL.index_heads, HEAD_DIM), f32), _spec((batch, cached + new, HEAD_DIM), f32),
+          _positions(batch, new))
+  _assert_mosaic(_lower_for_cuda(
+      lambda *a: indexer_topk(*a, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1), *args))
+
+
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("batch,new,cached", CALLS)
 def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
@@ -142,18 +151,8 @@ def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
       intermediate_size=TP8.expert_width, shared_intermediate_size=TP8.expert_width, dense_intermediate_size=1536,
       vocab_size=25008)
   model = nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
-  graphdef, state = nnx.split(model)
-
-  def lower(fn, *args):
-    return lowered_kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text())
-
-  batch, cache = 4, 4096
-  caches = jax.eval_shape(lambda: model.init_caches(batch, cache))
-  decode = lower(lambda st, tok, pos, c: _decode(nnx.merge(graphdef, st), tok, pos, c),
-                 _spec((batch,), jnp.int32), _spec((batch,), jnp.int32), caches)
+  steps = lowered_step_kernels(model, decode_batch=4, prefill_batch=1)
   # the dense layer's and the sparse layers' attention, the indexer, the MoE gate/up and down GEMMs
-  assert decode == {"attention": 2, "indexer": 1, "moe": 2}, decode
-  prefill = lower(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
-                  _spec((1, 1000), jnp.int32), _spec((1,), jnp.int32))
-  assert prefill == {"attention": 2, "indexer": 1, "moe": 2}, prefill
+  assert steps["decode"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["decode"]
+  assert steps["prefill"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["prefill"]
   # The same on the 8-device meshes, kernels inside shard_map: tests/test_sharding.py (cuda_lowering worker).
