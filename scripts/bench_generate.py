@@ -165,7 +165,8 @@ def check_logits(model: M3ForCausalLM, kernels: list[str], length: int) -> dict[
 
 
 def kernel_profile(fn, *args) -> dict:
-  """GPU time of every launch of one call (CUPTI via jax's Mosaic GPU profiler), grouped by kernel name."""
+  """GPU time of every launch of one call (CUPTI via jax's Mosaic GPU profiler), grouped by kernel name, and
+  every launch in order ("sequence": [(kernel name, us)])."""
   from jax.experimental.mosaic.gpu import profiler  # pylint: disable=g-import-not-at-top
 
   _, per_kernel = profiler.measure(fn, aggregate=False)(*args)
@@ -174,7 +175,8 @@ def kernel_profile(fn, *args) -> dict:
     groups.setdefault(name.rstrip("0123456789_.")[:60], []).append(ms * 1e3)
   top = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
   return {"launches": len(per_kernel), "gpu_us": round(sum(ms for _, ms in per_kernel) * 1e3, 1),
-          "by_name": [(n, len(v), round(sum(v), 1)) for n, v in top[:30]]}
+          "by_name": [(n, len(v), round(sum(v), 1)) for n, v in top[:30]],
+          "sequence": [(name, round(ms * 1e3, 2)) for name, ms in per_kernel]}
 
 
 def bench(model: M3ForCausalLM, prefill_lengths, decode_batches, context: int, repeats: int,
