@@ -8,8 +8,8 @@ kernels, with the same result:
           split of M3 (8 heads x 128, RoPE on the first 64 channels): the slice / concatenate rotation
           (m3jax.layers.rope.rope_by_slices) against the half-swap with full-width tables (rope_by_swap).
   router: fp32 router logits and sigmoid scores of T tokens, x [T, 6144] bf16 @ W [6144, 128] fp32: the
-          HIGHEST-precision dot (pallas_kernels.moe.reference.router_scores) against one fused broadcast
-          multiply-reduce (pallas_kernels.moe.routing.router_scores_small).
+          HIGHEST-precision dot (pallas_kernels.moe.reference.router_scores, what the model runs) against one
+          broadcast multiply-reduce (router_scores_reduce below; measured, not adopted: BENCHMARKS.md).
 
 Each variant is jitted alone and profiled with CUPTI (every launch of one call, kernel time summed); each
 pair is checked against each other (rope: bitwise; router: max |difference| of the logits).
@@ -36,9 +36,14 @@ from m3jax.layers.norms import gemma_rms_norm  # pylint: disable=g-import-not-at
 from m3jax.layers.params import project  # pylint: disable=g-import-not-at-top
 from m3jax.layers.rope import rope_by_slices, rope_by_swap, rope_cos_sin  # pylint: disable=g-import-not-at-top
 from pallas_kernels.moe.reference import router_scores  # pylint: disable=g-import-not-at-top
-from pallas_kernels.moe.routing import router_scores_small  # pylint: disable=g-import-not-at-top
 
 HIDDEN, HEADS, HEAD_DIM, ROTARY, EXPERTS = 6144, 8, 128, 64, 128
+
+
+def router_scores_reduce(x: jax.Array, router_w: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """router_scores (fp32 logits [T, E], sigmoid scores) as a broadcast multiply-reduce over H."""
+  logits = jnp.sum(x.astype(jnp.float32)[:, :, None] * router_w.astype(jnp.float32)[None], axis=1)
+  return logits, jax.nn.sigmoid(logits)
 
 
 def profile(fn, *args) -> dict:
@@ -71,7 +76,7 @@ def bench_router(tokens: int) -> dict:
   w = jax.random.normal(keys[1], (HIDDEN, EXPERTS), jnp.float32) * HIDDEN ** -0.5
   row = {}
   outs = {}
-  for name, scores in (("dot", router_scores), ("reduce", router_scores_small)):
+  for name, scores in (("dot", router_scores), ("reduce", router_scores_reduce)):
     row[name], outs[name] = profile(jax.jit(scores), x, w)
   exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   for name in outs:

@@ -14,18 +14,6 @@ import jax.numpy as jnp
 from pallas_kernels.moe.reference import route_reference, router_scores
 
 _ALL_PAIRS_MAX_ELEMS = 1 << 22  # T * E * E up to this: all-pairs ranking (T <= 256 at E = 128)
-_REDUCE_LOGITS_MAX_TOKENS = 16  # T up to this: router logits as one fused multiply-reduce, not a GEMM
-
-
-def router_scores_small(x: jax.Array, router_w: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``router_scores`` (fp32 logits [T, E] of x [T, H] and router_w [H, E], sigmoid scores) for few tokens.
-
-  The products and sums are fp32 as in the HIGHEST-precision dot (only the summation order differs). At
-  decode sizes XLA:GPU runs the fp32 dot as a split-K GEMM plus a reduction, two launches for ~6 MFLOP;
-  the broadcast multiply-reduce is one (scripts/bench_decode_ops.py).
-  """
-  logits = jnp.sum(x.astype(jnp.float32)[:, :, None] * router_w.astype(jnp.float32)[None], axis=1)
-  return logits, jax.nn.sigmoid(logits)
 
 
 def top_k_all_pairs(values: jax.Array, k: int) -> jax.Array:
@@ -60,7 +48,7 @@ def route(
   if t * e * e > _ALL_PAIRS_MAX_ELEMS:
     weights, expert_ids, _ = route_reference(x, router_w, correction_bias, top_k=top_k)
     return weights, expert_ids
-  _, scores = (router_scores_small if t <= _REDUCE_LOGITS_MAX_TOKENS else router_scores)(x, router_w)
+  _, scores = router_scores(x, router_w)
   expert_ids = top_k_all_pairs(scores + correction_bias.astype(jnp.float32), top_k)
   chosen = jnp.take_along_axis(scores, expert_ids, axis=-1)
   # The K-term sum unrolled into elementwise adds: gather + normalisation then fuse into their consumer
