@@ -1,9 +1,12 @@
 """Generation: cached decode == full forward, HF greedy parity, batching, compile reuse, sampling, errors."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import m3jax
 from conftest import FIXTURES
@@ -242,3 +245,51 @@ def test_decoder_steps_reproduce_generate_and_compile_once(models):
   assert _decode_step_jit._cache_size() == compiled
   with pytest.raises(ValueError, match=r"must both be \[batch\]"):
     decoder.step(tok[None], state.lengths[None], caches)
+
+
+def _computations(hlo_text: str) -> dict[str, str]:
+  """Compiled HLO text -> {computation name: its text}."""
+  comps = {}
+  for block in hlo_text.split("\n\n"):
+    head = block.strip().split("\n", 1)[0]
+    name = head.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+    if name:
+      comps[name] = block
+  return comps
+
+
+def _reachable(comps: dict[str, str], roots: set[str]) -> set[str]:
+  """Computations called (fusions, nested loops, branches) from ``roots``, the roots included."""
+  seen, todo = set(), list(roots)
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    todo += re.findall(r"%([\w.\-]+)", " ".join(re.findall(
+        r"(?:calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|%[\w.\-]+)", comps[name])))
+  return seen
+
+
+def test_decode_loop_hoists_the_fused_projection_weights():
+  """Each layer's projections are one GEMM over its weights concatenated (m3jax.parallel.projection); the
+  concatenation of these loop-invariant weights must be outside generate's decode loop, not redone per step."""
+  model = m3jax.M3ForCausalLM(m3jax.config.tiny(), dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0))
+  t = model.config.text
+  graphdef, state = nnx.split(model)
+  hlo = _generate_jit.lower(
+      graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
+      jnp.asarray([2], jnp.int32), jnp.int32(0), None, max_new_tokens=4, sampling=SamplingParams(),
+      cache_len=128).compile().as_text()
+  comps = _computations(hlo)
+  in_loop = _reachable(comps, set(re.findall(r"body=%([\w.\-]+)", hlo)))
+  assert in_loop, "no while loop found in the compiled generate program"
+  qkv = (t.num_heads + 2 * t.num_kv_heads) * t.head_dim
+  widths = {"full": qkv, "sparse": qkv + (t.index_num_heads + 1) * t.index_head_dim}
+  found = {}
+  for name, text in comps.items():
+    for width in re.findall(rf"= f32\[{t.hidden_size},(\d+)\]\{{[^}}]*\}} concatenate\(", text):
+      found.setdefault(int(width), []).append(name)
+  assert set(found) == set(widths.values()), f"fused weights {widths} not concatenated as expected: {found}"
+  for width, names in found.items():
+    assert not in_loop.intersection(names), f"the [{t.hidden_size}, {width}] weight concatenation runs per step"

@@ -13,6 +13,7 @@ from m3jax.config import TextConfig
 from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import apply_partial_rope
+from m3jax.parallel.projection import fused_projection
 from m3jax.ops import attention as attention_ops
 from m3jax.ops import indexer as indexer_ops
 from m3jax.ops.dispatch import KernelChoice
@@ -35,11 +36,15 @@ class Indexer(nnx.Module):
     self.q_norm = RMSNorm(di, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.k_norm = RMSNorm(di, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [B,S,H] -> idx_q [B,S,Hi,Di], idx_k [B,S,Di] (post-norm, post-RoPE)."""
-    idx_q = apply_partial_rope(self.q_norm(project("bsh,hnd->bsnd", x, self.q_proj[...])), cos, sin)
-    idx_k = self.k_norm(project("bsh,hd->bsd", x, self.k_proj[...]))
-    idx_k = apply_partial_rope(idx_k[:, :, None, :], cos, sin)[:, :, 0, :]
+  def projection_weights(self) -> tuple[list[jax.Array], list[tuple[str, ...]]]:
+    """The query [H, Hi, Di] and key [H, 1, Di] projection weights and their logical axes (fused_projection)."""
+    return ([self.q_proj[...], self.k_proj[...][:, None, :]],
+            [(ax.EMBED, ax.IDX_HEADS, ax.IDX_DIM), (ax.EMBED, None, ax.IDX_DIM)])
+
+  def finish(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Projected q [B,S,Hi,Di], k [B,S,1,Di] -> idx_q [B,S,Hi,Di], idx_k [B,S,Di] (post-norm, post-RoPE)."""
+    idx_q = apply_partial_rope(self.q_norm(q), cos, sin)
+    idx_k = apply_partial_rope(self.k_norm(k), cos, sin)[:, :, 0, :]
     return idx_q, idx_k
 
 
@@ -75,12 +80,17 @@ class Attention(nnx.Module):
     """
     # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
     x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
-    q = apply_partial_rope(self.q_norm(project("bsh,hnd->bsnd", x, self.q_proj[...])), cos, sin)
-    k = apply_partial_rope(self.k_norm(project("bsh,hnd->bsnd", x, self.k_proj[...])), cos, sin)
-    v = project("bsh,hnd->bsnd", x, self.v_proj[...])
+    weights = [self.q_proj[...], self.k_proj[...], self.v_proj[...]]
+    axes = [(ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM)] + [(ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)] * 2
+    if self.indexer is not None:
+      index_weights, index_axes = self.indexer.projection_weights()
+      weights, axes = weights + index_weights, axes + index_axes
+    q, k, v, *index = fused_projection(x, weights, axes)
+    q = apply_partial_rope(self.q_norm(q), cos, sin)
+    k = apply_partial_rope(self.k_norm(k), cos, sin)
     idx_q = idx_k = None
     if self.indexer is not None:
-      idx_q, idx_k = self.indexer(x, cos, sin)
+      idx_q, idx_k = self.indexer.finish(*index, cos, sin)
     r = head_replication(k.shape[2])  # > 1 only with more tensor ranks than KV heads (vLLM's replication)
     if r > 1:  # KV group g becomes heads g*r .. g*r+r-1: same GQA grouping, one head (or more) per rank
       k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
