@@ -34,6 +34,7 @@ class MemoryPlan:
   cache: dict[str, int]  # 'kv' / 'index keys' -> bytes per device
   cache_global: int
   kv_heads_stored: int  # KV heads per layer in the cache (after replication)
+  fused_projections: int = 0  # per device: every layer's projection weights concatenated (decode-loop workspace)
   notes: tuple[str, ...] = ()
 
   @property
@@ -62,6 +63,8 @@ class MemoryPlan:
                f"{self.kv_heads_stored} KV heads stored per layer)")
     out.append(f"  weights + cache           {_gib(self.total_per_device):>10}  per device (activations and "
                "compiler workspace not included)")
+    out.append(f"  decode-loop workspace     {_gib(self.fused_projections):>10}  per device: each layer's q / k / v "
+               "(/ index) weights concatenated, held while generate's loop runs")
     out.extend(f"  note: {note}" for note in self.notes)
     return out
 
@@ -78,14 +81,19 @@ def _component(path: tuple[Any, ...]) -> str:
   return component(path)
 
 
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # under 'attn' (and its 'indexer'): m3jax.parallel.projection fuses them
+
+
 @functools.lru_cache(maxsize=4)
-def _abstract_params(config: Any, dtype: Any) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...]], ...]:
-  """(component, shape, dtype, logical names) of every parameter of the model the loader would build."""
+def _abstract_params(config: Any, dtype: Any
+                     ) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...], bool], ...]:
+  """(component, shape, dtype, logical names, is an input projection) of every parameter the loader would build."""
   from m3jax.checkpoint.loader import abstract_model  # pylint: disable=g-import-not-at-top
 
   _, flat = abstract_model(config, dtype)
   return tuple((_component(path), tuple(var.shape), var.dtype,
-                tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape))) for path, var in flat)
+                tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape)),
+                "attn" in path and path[-1] in _PROJECTIONS) for path, var in flat)
 
 
 def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int, context: int,
@@ -104,8 +112,8 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
   sizes = mesh_sizes(mesh)
   check_config(config, sizes, rules)
   weights: dict[str, float] = {}
-  total = 0.0
-  for comp, shape, param_dtype, names in _abstract_params(config, jnp.dtype(dtype)):
+  total = fused = 0.0
+  for comp, shape, param_dtype, names, projection in _abstract_params(config, jnp.dtype(dtype)):
     itemsize = np.dtype(param_dtype).itemsize
     if expert_bytes is not None and comp == "routed experts":
       itemsize = expert_bytes
@@ -114,6 +122,7 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     nbytes = math.prod(shape) * itemsize
     total += nbytes
     weights[comp] = weights.get(comp, 0.0) + nbytes / split
+    fused += nbytes / split if projection else 0.0
   t = config.text
   heads_ranks = math.prod(sizes[a] for a in spec_axes(logical_spec((ax.ACT_HEADS,), sizes, rules)[0]))
   kv_heads = t.num_kv_heads * (heads_ranks // t.num_kv_heads if heads_ranks > t.num_kv_heads else 1)
@@ -142,4 +151,5 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     notes.append(f"routed experts at {expert_bytes:g} bytes/weight (forecast; m3jax dequantizes on load today)")
   return MemoryPlan(mesh=sizes, batch=batch, context=context, weights={k: int(v) for k, v in weights.items()},
                     weights_global=int(total), cache={k: int(v) for k, v in cache.items()},
-                    cache_global=int(global_cache), kv_heads_stored=kv_heads, notes=tuple(notes))
+                    cache_global=int(global_cache), kv_heads_stored=kv_heads, fused_projections=int(fused),
+                    notes=tuple(notes))
