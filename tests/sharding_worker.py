@@ -7,6 +7,7 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py distributed FIXTURE MESH PORT PROCESS_ID NUM_PROCESSES
   python tests/sharding_worker.py pallas_on_cpu_mesh MESH           kernels='pallas' on CPU devices: by rule
   python tests/sharding_worker.py cuda_lowering MESH ...            Mosaic GPU kernels per lowered step
+  python tests/sharding_worker.py fused_projection MESH[+sp] ...    fused q/k/v GEMM vs one GEMM per weight
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP).
 Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
@@ -211,10 +212,43 @@ def cuda_lowering(*mesh_args: str) -> dict:
   return out
 
 
+def fused_projection(*mesh_args: str) -> dict:
+  """m3jax.parallel.projection.fused_projection under each plan (MESH+embed: a rule that splits the hidden axis,
+  which must fall back to one GEMM per weight) against per-weight projections on one device."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from m3jax import logical_axes as ax  # pylint: disable=g-import-not-at-top
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.layers.params import project  # pylint: disable=g-import-not-at-top
+  from m3jax.parallel.projection import fused_projection as fused  # pylint: disable=g-import-not-at-top
+
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(keys[0], (4, 16, 64), jnp.float32)
+  weights = [jax.random.normal(k, (64, n, 32), jnp.float32) for k, n in zip(keys[1:], (8, 2, 1))]
+  axes = [(ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), (ax.EMBED, None, ax.IDX_DIM)]
+  want = [np.asarray(project("bsh,hnd->bsnd", x, w)) for w in weights]
+  out = {}
+  for arg in mesh_args:
+    split_embed = arg.endswith("+embed")
+    mesh, rules = _mesh_and_rules(arg.removesuffix("+embed"))
+    if split_embed:
+      rules = sharding.replace_rules(rules, **{ax.EMBED: "tensor", ax.ACT_EMBED: "tensor"})
+    plan = sharding.ShardingPlan(mesh, rules)
+    xs = jax.device_put(x, plan.sharding((ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED), x.shape))
+    ws = [jax.device_put(w, plan.sharding(names, w.shape)) for w, names in zip(weights, axes)]
+    with sharding.use_plan(plan):
+      got = jax.jit(lambda x, ws: fused(x, ws, axes))(xs, ws)
+      jaxpr = str(jax.make_jaxpr(lambda x, ws: fused(x, ws, axes))(xs, ws))
+    out[arg] = {"max_rel": max(_rel(np.asarray(g), w) for g, w in zip(got, want)),
+                "shard_map": "shard_map" in jaxpr, "concatenate": "concatenate" in jaxpr,
+                "q_sharding": str(got[0].sharding.spec)}
+  return out
+
+
 def main(argv: list[str]) -> None:
   commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
               "vision": vision,
-              "pallas_on_cpu_mesh": pallas_on_cpu_mesh, "cuda_lowering": cuda_lowering}
+              "pallas_on_cpu_mesh": pallas_on_cpu_mesh, "cuda_lowering": cuda_lowering,
+              "fused_projection": fused_projection}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 

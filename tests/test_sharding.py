@@ -184,6 +184,18 @@ def test_pallas_without_gpu_on_a_multi_device_mesh_takes_the_reference_by_rule()
   assert any("cannot run kernels on several devices" in m and "routed_experts" in m for m in result["messages"])
 
 
+def test_fused_projection_runs_per_device_or_falls_back():
+  """q / k / v as one GEMM: per device under shard_map (query heads split, KV heads replicated), equal to one
+  GEMM per weight; a rule that splits the hidden axis takes one GEMM per weight instead (no concatenation)."""
+  meshes = ["tensor=8", "data=2,tensor=4", "expert=4,tensor=2+sp", "tensor=8+embed"]
+  result = run_worker("fused_projection", *meshes)
+  for mesh in meshes:
+    assert result[mesh]["max_rel"] < 1e-5, (mesh, result[mesh])
+    fused = not mesh.endswith("+embed")
+    assert result[mesh]["shard_map"] == fused and result[mesh]["concatenate"] == fused, (mesh, result[mesh])
+  assert result["tensor=8"]["q_sharding"] == "P(None, None, 'tensor')"
+
+
 def test_sharded_steps_lower_to_mosaic_gpu_kernels_on_every_mesh():
   """The 8-GPU programs (real M3 dims, 4 layers) lowered for CUDA on 8 CPU devices: in a decode step and a
   prefill every attention, indexer and MoE op runs its Mosaic GPU kernel inside shard_map on each mesh."""
