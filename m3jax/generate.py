@@ -117,10 +117,11 @@ def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_
   return out.logits[:, 0], out.caches
 
 
-def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, caches: tuple
-            ) -> tuple[jax.Array, tuple]:
-  """tokens int32 [B] at positions [B] -> (next-token logits fp32 [B, V], caches)."""
-  out = model.forward(tokens[:, None], positions=positions[:, None], caches=caches)
+def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, caches: tuple,
+            projections: tuple | None = None) -> tuple[jax.Array, tuple]:
+  """tokens int32 [B] at positions [B] -> (next-token logits fp32 [B, V], caches). ``projections``: the
+  model's ``fused_projections()``, built once before a loop of decode steps."""
+  out = model.forward(tokens[:, None], positions=positions[:, None], caches=caches, projections=projections)
   return out.logits[:, 0], out.caches
 
 
@@ -131,6 +132,7 @@ def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds
   model = nnx.merge(graphdef, state)
   b = prompt.shape[0]
   logits, caches = _prefill(model, prompt, lengths, cache_len, embeds)
+  projections = model.fused_projections()  # once, not per step (XLA:GPU does not hoist them out of the loop)
 
   def cond(carry):
     step, _, _, _, _, done, _ = carry
@@ -143,7 +145,7 @@ def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds
     tokens = tokens.at[:, step].set(tok)
     new_lengths = new_lengths + (~done).astype(jnp.int32)
     done = done | jnp.isin(tok, eos_ids)
-    logits, caches = _decode(model, tok, lengths + step, caches)
+    logits, caches = _decode(model, tok, lengths + step, caches, projections)
     return step + 1, logits, caches, tokens, new_lengths, done, key
 
   init = (jnp.int32(0), logits, caches, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
@@ -230,13 +232,22 @@ class Decoder:
 
   Each jitted call hands over the parameters as a flat tuple of arrays with a pre-hashed graph, instead of
   splitting the module graph (``nnx.split`` of a 60-layer model takes tens of ms) and flattening an nnx.State
-  on every step. ``generate_stream`` runs its steps through ``Decoder.sample_steps``; ``generate`` runs
-  its whole loop on the device and pays no per-step host cost at all.
+  on every step, and fuses each layer's projection weights once (``projections``) for all its steps.
+  ``generate_stream`` runs its steps through ``Decoder.sample_steps``; ``generate`` runs its whole loop on the
+  device and pays no per-step host cost at all.
   """
 
   graph: _GraphKey
   params: tuple[jax.Array, ...]
   plan: sharding.ShardingPlan | None
+
+  @functools.cached_property
+  def projections(self) -> tuple:
+    """Every layer's projection weights fused (``M3ForCausalLM.fused_projections``), built on the first step and
+    reused by every later one, so steps do not concatenate them again (~7 % of a full-depth step at batch 4,
+    BENCHMARKS.md). Holds one more copy of the q / k / v / index weights while the Decoder lives (the memory
+    plan's "decode-loop workspace")."""
+    return _fuse_projections_jit(self.graph, self.params)
 
   @classmethod
   def of(cls, model: M3ForCausalLM) -> Decoder:
@@ -258,7 +269,7 @@ class Decoder:
     max_len = caches[0].max_length
     if positions.max() >= max_len:
       raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
-    return _decode_step_jit(self.graph, self.params, self.put(tokens), self.put(positions), caches)
+    return _decode_step_jit(self.graph, self.params, self.projections, self.put(tokens), self.put(positions), caches)
 
   def sample_steps(self, logits: jax.Array, caches: tuple, positions: np.ndarray, key: jax.Array,
                    sampling: SamplingParams, num_steps: int = 1) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
@@ -268,25 +279,30 @@ class Decoder:
     input caches are donated."""
     if num_steps < 1:
       raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    return _sample_decode_jit(self.graph, self.params, logits, caches, self.put(positions), key,
+    return _sample_decode_jit(self.graph, self.params, self.projections, logits, caches, self.put(positions), key,
                               sampling=sampling, num_steps=num_steps)
 
 
+@functools.partial(jax.jit, static_argnames=("graph",))
+def _fuse_projections_jit(graph: _GraphKey, params) -> tuple:
+  return graph.merge(params).fused_projections()
+
+
 @functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("caches",))
-def _decode_step_jit(graph: _GraphKey, params, tokens, positions, caches):
-  return _decode(graph.merge(params), tokens, positions, caches)
+def _decode_step_jit(graph: _GraphKey, params, projections, tokens, positions, caches):
+  return _decode(graph.merge(params), tokens, positions, caches, projections)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "sampling", "num_steps"), donate_argnames=("caches",))
-def _sample_decode_jit(graph: _GraphKey, params, logits, caches, positions, key, *, sampling: SamplingParams,
-                       num_steps: int):
+def _sample_decode_jit(graph: _GraphKey, params, projections, logits, caches, positions, key, *,
+                       sampling: SamplingParams, num_steps: int):
   model = graph.merge(params)
 
   def step(i, carry):
     tokens, logits, caches, key = carry
     key, sub = jax.random.split(key)
     tok = sample(logits, sub, sampling)
-    logits, caches = _decode(model, tok, positions + i, caches)
+    logits, caches = _decode(model, tok, positions + i, caches, projections)
     return tokens.at[i].set(tok), logits, caches, key
 
   tokens = jnp.zeros((num_steps, logits.shape[0]), jnp.int32)
@@ -390,7 +406,7 @@ def decode_step(model: M3ForCausalLM, tokens: jax.Array | np.ndarray, positions:
   """One jit-compiled decode step: tokens int32 [B] written at positions int32 [B] (each sequence's own) ->
   (next-token logits fp32 [B, V], updated caches). The input caches are donated (do not reuse them).
 
-  This prepares the model on every call (``Decoder.of``: tens of ms of host time at full depth); a loop
-  should make one ``Decoder`` and call its ``step``.
+  This prepares the model on every call (``Decoder.of``: tens of ms of host time at full depth, and its fused
+  projection weights); a loop should make one ``Decoder`` and call its ``step``.
   """
   return Decoder.of(model).step(tokens, positions, caches)

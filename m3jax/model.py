@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice, resolve_kernels
+from m3jax.parallel.projection import FusedWeights
 from m3jax.research import Collect
 from m3jax.vision import embed as vision_embed
 from m3jax.vision.encoder import VisionModel
@@ -84,6 +86,14 @@ class M3ForCausalLM(nnx.Module):
     return jnp.take(self.embed[...], input_ids, axis=0)
 
   @sharding.uses_model_plan
+  def fused_projections(self) -> tuple[FusedWeights | None, ...]:
+    """Every layer's attention projection weights fused (``Attention.fused_weights``), for ``forward``'s
+    ``projections``: build them once before a decode loop (inside the same jit) so that the loop's steps do
+    not concatenate the weights again. They hold one more copy of the q / k / v / index weights (the plan's
+    "decode-loop workspace")."""
+    return tuple(layer.attn.fused_weights() for layer in self.layers)
+
+  @sharding.uses_model_plan
   def forward(
       self,
       input_ids: jax.Array,
@@ -93,6 +103,7 @@ class M3ForCausalLM(nnx.Module):
       inputs_embeds: jax.Array | None = None,
       logits_at: jax.Array | None = None,
       collect: Collect | None = None,
+      projections: Sequence[FusedWeights | None] | None = None,
   ) -> ForwardOutput:
     """Runs the backbone.
 
@@ -105,6 +116,8 @@ class M3ForCausalLM(nnx.Module):
       logits_at: optional int32 [B]: compute logits only at this index of each row (prefill), giving
         logits [B, 1, V] instead of [B, S, V].
       collect: research intermediates to record (m3jax.research.Collect); off by default.
+      projections: ``fused_projections()`` built once outside a decode loop; by default each layer fuses
+        its projection weights itself.
 
     Returns:
       ForwardOutput with fp32 logits [B, S, V] (or [B, 1, V] with logits_at).
@@ -120,13 +133,15 @@ class M3ForCausalLM(nnx.Module):
       raise ValueError(f"positions has shape {positions.shape}, expected {(b, s)} like input_ids")
     if caches is not None and len(caches) != cfg.num_layers:
       raise ValueError(f"got {len(caches)} layer caches for {cfg.num_layers} layers")
+    if projections is not None and len(projections) != cfg.num_layers:
+      raise ValueError(f"got {len(projections)} fused projections for {cfg.num_layers} layers")
     h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
     h = sharding.constrain(h, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     new_caches, records = [], []
     for i, layer in enumerate(self.layers):
       h, c, record = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i],
-                           collect=collect)
+                           collect=collect, projection=None if projections is None else projections[i])
       new_caches.append(c)
       records.append(record)
     hidden = self.final_norm(h)

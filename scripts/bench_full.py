@@ -201,6 +201,8 @@ def main() -> None:
   parser.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
                       help="an XLA option for the decode step's compilation (repeatable), e.g. "
                            "xla_gpu_dot_merger_threshold_mb=0")
+  parser.add_argument("--loop-fusion-ab", action="store_true",
+                      help="also time the on-device loop fusing the projection weights in every step (A/B)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   step_options = parse_compiler_options(args.compiler_option)
@@ -261,20 +263,38 @@ def main() -> None:
   def prefill(state, ids, lengths, cache_len):
     return _prefill(nnx.merge(graphdef, state), ids, lengths, cache_len)
 
-  @functools.partial(jax.jit, donate_argnames=("caches",), compiler_options=step_options)
-  def chained_step(state, tok, pos, caches, noise):
-    logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches)
-    # The next input depends on this step's logits (steps cannot overlap) but is spread over the vocabulary:
-    # greedy chains of random weights collapse onto repeated tokens, which touch fewer experts than real rows.
+  def next_inputs(logits, pos, noise):
+    """The next step's tokens and positions. The tokens depend on this step's logits (steps cannot overlap)
+    but are spread over the vocabulary: greedy chains of random weights collapse onto repeated tokens, which
+    touch fewer experts than real rows."""
     nxt = (jnp.argmax(logits, -1).astype(jnp.int32) + noise) % t.vocab_size
-    return sharding.replicated(nxt, plan), sharding.replicated(pos + 1, plan), caches
+    return sharding.replicated(nxt, plan), sharding.replicated(pos + 1, plan)
+
+  # Each layer's projection weights fused once, as an m3jax.Decoder holds them for all its steps (the step
+  # programs take them as arguments; params = (state, projections)).
+  projections = jax.jit(lambda state: nnx.merge(graphdef, state).fused_projections())(state)
+  params = (state, projections)
 
   @functools.partial(jax.jit, donate_argnames=("caches",), compiler_options=step_options)
-  def looped_steps(state, tok, pos, caches, noise):
+  def chained_step(params, tok, pos, caches, noise):
+    state, projections = params
+    logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches, projections)
+    return (*next_inputs(logits, pos, noise), caches)
+
+  @functools.partial(jax.jit, donate_argnames=("caches",), static_argnames=("fuse_per_step",),
+                     compiler_options=step_options)
+  def looped_steps(params, tok, pos, caches, noise, fuse_per_step=False):
     """len(noise) chained decode steps in one program (a lax.fori_loop, as ``m3jax.generate`` runs them):
-    the host dispatches once, so per-call argument handling and launch costs are paid once."""
+    the host dispatches once, so per-call argument handling and launch costs are paid once. The steps use
+    the pre-fused projection weights, or (``fuse_per_step``, the A/B baseline) fuse them in every step."""
+    state, projections = params
+    model = nnx.merge(graphdef, state)
+    projections = None if fuse_per_step else projections
+
     def body(i, carry):
-      return chained_step.__wrapped__(state, *carry, noise[i])
+      tok, pos, caches = carry
+      logits, caches = _decode(model, tok, pos, caches, projections)
+      return (*next_inputs(logits, pos, noise[i]), caches)
     return jax.lax.fori_loop(0, noise.shape[0], body, (tok, pos, caches))
 
   put = functools.partial(sharding.put_replicated, plan=plan)
@@ -312,6 +332,7 @@ def main() -> None:
       cal_pos = put(np.broadcast_to(prompt + np.arange(cal_len, dtype=np.int32), (c, cal_len)).copy())
       before, after, caches = balance_routing(model, cal_tok, cal_pos, caches)
       state = nnx.state(model)  # the calibrated selection biases
+      params = (state, projections)  # (biases do not change the fused attention weights)
       balance = {"imbalance_before": statistics.mean(before), "imbalance_after": statistics.mean(after),
                  "calibration_tokens": c * cal_len, "seconds": time.perf_counter() - begin}
       print(f"routing balanced on {c * cal_len} tokens: busiest expert / mean load per MoE layer "
@@ -322,34 +343,42 @@ def main() -> None:
     steps = args.decode_steps
     noise = put(np.asarray(jax.random.randint(jax.random.key(11), (2 * steps + 1, c), 0, t.vocab_size), np.int32))
     begin = time.perf_counter()
-    tok, pos, caches = chained_step(state, tok, pos, caches, noise[0])  # compile + warm
+    tok, pos, caches = chained_step(params, tok, pos, caches, noise[0])  # compile + warm
     jax.block_until_ready(tok)
     first_s = time.perf_counter() - begin
     # A second warm step: its inputs are step outputs, whose shardings may differ from the first inputs'.
-    tok, pos, caches = chained_step(state, tok, pos, caches, noise[0])
+    tok, pos, caches = chained_step(params, tok, pos, caches, noise[0])
     jax.block_until_ready(tok)
     times = []
     for i in range(steps):  # sync: the host waits for each step's token before dispatching the next
       begin = time.perf_counter()
-      tok, pos, caches = chained_step(state, tok, pos, caches, noise[1 + i])
+      tok, pos, caches = chained_step(params, tok, pos, caches, noise[1 + i])
       tok.block_until_ready()
       times.append((time.perf_counter() - begin) * 1e3)
     sync = statistics.median(times)
     begin = time.perf_counter()
     for i in range(steps):  # chained: dispatched back to back, one wait at the end
-      tok, pos, caches = chained_step(state, tok, pos, caches, noise[1 + steps + i])
+      tok, pos, caches = chained_step(params, tok, pos, caches, noise[1 + steps + i])
     dispatch = (time.perf_counter() - begin) * 1e3 / steps  # host time per call, if the queue never blocks
     jax.block_until_ready(tok)
     chained = (time.perf_counter() - begin) * 1e3 / steps
-    # On-device loop: compile + warm once, then time one call of `steps` steps.
+    # On-device loop: compile + warm once, then time calls of `steps` steps (with --loop-fusion-ab, interleaved
+    # with the baseline that fuses the projection weights in every step; medians of 3 calls each).
+    variants = (False, True) if args.loop_fusion_ab else (False,)
     begin = time.perf_counter()
-    tok, pos, caches = looped_steps(state, tok, pos, caches, noise[1:1 + steps])
-    jax.block_until_ready(tok)
+    for per_step in variants:
+      tok, pos, caches = looped_steps(params, tok, pos, caches, noise[1:1 + steps], fuse_per_step=per_step)
+      jax.block_until_ready(tok)
     loop_first_s = time.perf_counter() - begin
-    begin = time.perf_counter()
-    tok, pos, caches = looped_steps(state, tok, pos, caches, noise[1 + steps:1 + 2 * steps])
-    jax.block_until_ready(tok)
-    looped = (time.perf_counter() - begin) * 1e3 / steps
+    loop_ms = {v: [] for v in variants}
+    for _ in range(3 if args.loop_fusion_ab else 1):
+      for per_step in variants:
+        begin = time.perf_counter()
+        tok, pos, caches = looped_steps(params, tok, pos, caches, noise[1 + steps:1 + 2 * steps],
+                                        fuse_per_step=per_step)
+        jax.block_until_ready(tok)
+        loop_ms[per_step].append((time.perf_counter() - begin) * 1e3 / steps)
+    looped = statistics.median(loop_ms[False])
     roof = decode_weight_bytes(full_text, c) / (n_gpus * COPY_TBPS * 1e12) * 1e3
     # Random weights need not route uniformly: the roofline of the experts this batch actually touches.
     counts, caches = routed_expert_counts(graphdef, state, tok, pos, caches)
@@ -363,6 +392,9 @@ def main() -> None:
                               "routing_balance": balance,
                               "routed_roofline_ms": routed_roof, "looped_routed_roofline_ratio": looped / routed_roof,
                               "first_step_s": first_s}
+    if args.loop_fusion_ab:
+      report[f"decode_c{c}"]["looped_fused_per_step_ms"] = statistics.median(loop_ms[True])
+      report[f"decode_c{c}"]["looped_calls_ms"] = {"fused_once": loop_ms[False], "fused_per_step": loop_ms[True]}
     print(f"decode concurrency {c}: TPOT {chained:.2f} ms chained, {sync:.2f} ms one step + sync (weight-read "
           f"roofline {roof:.2f} ms, x{chained / roof:.2f}; host dispatch {dispatch:.2f} ms per call); {looped:.2f} ms "
           f"per step in an on-device loop of {steps} (x{looped / roof:.2f}; x{looped / routed_roof:.2f} of the "
@@ -370,8 +402,13 @@ def main() -> None:
           f"this batch routes to), "
           f"{c / chained * 1e3 / n_gpus:.0f} tok/s per GPU "
           f"(cache fill {fill_s:.1f}s, first step with compile {first_s:.1f}s)", flush=True)
+    if args.loop_fusion_ab:
+      print(f"decode concurrency {c} on-device loop, projection weights fused once per call vs in every step: "
+            f"{looped:.3f} vs {statistics.median(loop_ms[True]):.3f} ms per step (calls: "
+            f"{', '.join(f'{x:.3f}' for x in loop_ms[False])} vs {', '.join(f'{x:.3f}' for x in loop_ms[True])})",
+            flush=True)
     if args.dispatch_probe:
-      caches, probe = dispatch_probe(chained_step, graphdef, state, tok, pos, caches, noise[1:1 + steps])
+      caches, probe = dispatch_probe(chained_step, graphdef, params, tok, pos, caches, noise[1:1 + steps])
       report[f"decode_c{c}"]["dispatch_probe"] = probe
       print(f"decode concurrency {c} dispatch probe (ms per call: host dispatch / chained / sync):",
             *(f"  {name}: {r['dispatch_ms']:.2f} / {r['chained_ms']:.2f} / {r['sync_ms']:.2f}"
@@ -383,7 +420,7 @@ def main() -> None:
       # (the copies appear in the profile as their own launches).
       # Arguments, not closures: a closed-over state would be captured as ~100 GB of constants.
       prof = kernel_profile(lambda st, tk, ps, cs, nz: chained_step(st, tk, ps, jax.tree.map(jnp.copy, cs), nz),
-                            state, tok, pos, caches, noise[0])
+                            params, tok, pos, caches, noise[0])
       report[f"decode_c{c}"]["profile"] = prof
       print(f"decode concurrency {c} profile: {prof['launches']} launches, {prof['gpu_us']} us of GPU time; by "
             "name (launches, us):", *(f"  {row}" for row in prof["by_name"]), sep="\n", flush=True)

@@ -10,7 +10,8 @@ from flax import nnx
 
 import m3jax
 from conftest import FIXTURES
-from m3jax.generate import _generate_jit, _sample_decode_jit, bucket_length, generate, generate_stream, prefill
+from m3jax.generate import (_decode_step_jit, _generate_jit, _sample_decode_jit, bucket_length, generate,
+                            generate_stream, prefill)
 from m3jax.sampling import SamplingParams, sample
 
 HF_FIXTURES = ["legacy_b128", "flat_local2_b128", "flat_b16"]
@@ -271,25 +272,61 @@ def _reachable(comps: dict[str, str], roots: set[str]) -> set[str]:
   return seen
 
 
-def test_decode_loop_hoists_the_fused_projection_weights():
-  """Each layer's projections are one GEMM over its weights concatenated (m3jax.parallel.projection); the
-  concatenation of these loop-invariant weights must be outside generate's decode loop, not redone per step."""
+def _weight_concats(jaxpr, hidden: int, in_loop: bool = False) -> list[tuple[int, bool]]:
+  """(width, inside a while loop?) of every concatenate producing a [hidden, width] array in a jaxpr, nested
+  jaxprs (jit, shard_map, loops, branches) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "concatenate":
+      shape = eqn.outvars[0].aval.shape
+      if len(shape) == 2 and shape[0] == hidden:
+        found.append((shape[1], in_loop))
+    for name, value in eqn.params.items():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found += _weight_concats(sub, hidden, in_loop or (eqn.primitive.name == "while" and name == "body_jaxpr"))
+  return found
+
+
+def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
+  """Each layer's projections are one GEMM over its weights concatenated (m3jax.parallel.projection). The
+  decode loops of generate and of generate_stream's multi-step calls build these concatenations once, before
+  the loop, in the program itself: XLA:GPU keeps a concatenation written inside the loop body in the body
+  (the H200's compiled loop did, eleventh session), so it must not be left to the compiler."""
   model = m3jax.M3ForCausalLM(m3jax.config.tiny(), dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0))
   t = model.config.text
   graphdef, state = nnx.split(model)
-  hlo = _generate_jit.lower(
-      graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
-      jnp.asarray([2], jnp.int32), jnp.int32(0), None, max_new_tokens=4, sampling=SamplingParams(),
-      cache_len=128).compile().as_text()
-  comps = _computations(hlo)
-  in_loop = _reachable(comps, set(re.findall(r"body=%([\w.\-]+)", hlo)))
-  assert in_loop, "no while loop found in the compiled generate program"
   qkv = (t.num_heads + 2 * t.num_kv_heads) * t.head_dim
-  widths = {"full": qkv, "sparse": qkv + (t.index_num_heads + 1) * t.index_head_dim}
-  found = {}
+  by_layer = [qkv + (t.index_num_heads + 1) * t.index_head_dim * (kind == "sparse") for kind in t.attention_types]
+  expected = sorted(by_layer)
+  generate_args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32),
+                   jax.random.key(0), jnp.asarray([2], jnp.int32), jnp.int32(0), None)
+  generate_kw = dict(max_new_tokens=4, sampling=SamplingParams(), cache_len=128)
+  found = _weight_concats(_generate_jit.trace(*generate_args, **generate_kw).jaxpr.jaxpr, t.hidden_size)
+  in_loop = [width for width, inside in found if inside]
+  assert not in_loop, f"[{t.hidden_size}, width] weight concatenations inside generate's decode loop: {in_loop}"
+  # once for the prefill and once, before the loop, for the decode steps
+  assert sorted(width for width, _ in found) == sorted(expected * 2)
+
+  # A Decoder (generate_stream, decode_step) fuses them in a program of their own, once, and its step programs
+  # take them as arguments.
+  decoder = m3jax.Decoder.of(model)
+  assert decoder.projections is decoder.projections
+  assert [p.weight.shape for p in decoder.projections] == [(t.hidden_size, w) for w in by_layer]
+  caches = model.init_caches(2, 128)
+  positions = jnp.asarray([16, 12], jnp.int32)
+  steps = _sample_decode_jit.trace(decoder.graph, decoder.params, decoder.projections, jnp.zeros((2, t.vocab_size)),
+                                   caches, positions, jax.random.key(0), sampling=SamplingParams(), num_steps=3)
+  one = _decode_step_jit.trace(decoder.graph, decoder.params, decoder.projections, positions, positions, caches)
+  assert _weight_concats(steps.jaxpr.jaxpr, t.hidden_size) == []
+  assert _weight_concats(one.jaxpr.jaxpr, t.hidden_size) == []
+
+  # ... and the compiler keeps them there (no computation reachable from the while body concatenates them).
+  hlo = _generate_jit.lower(*generate_args, **generate_kw).compile().as_text()
+  comps = _computations(hlo)
+  loop_comps = _reachable(comps, set(re.findall(r"body=%([\w.\-]+)", hlo)))
+  assert loop_comps, "no while loop found in the compiled generate program"
   for name, text in comps.items():
     for width in re.findall(rf"= f32\[{t.hidden_size},(\d+)\]\{{[^}}]*\}} concatenate\(", text):
-      found.setdefault(int(width), []).append(name)
-  assert set(found) == set(widths.values()), f"fused weights {widths} not concatenated as expected: {found}"
-  for width, names in found.items():
-    assert not in_loop.intersection(names), f"the [{t.hidden_size}, {width}] weight concatenation runs per step"
+      assert name not in loop_comps, f"the [{t.hidden_size}, {width}] weight concatenation runs per step"

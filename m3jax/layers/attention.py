@@ -13,7 +13,7 @@ from m3jax.config import TextConfig
 from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import apply_partial_rope
-from m3jax.parallel.projection import fused_projection
+from m3jax.parallel.projection import FusedWeights, fuse_weights, fused_projection, project_fused
 from m3jax.ops import attention as attention_ops
 from m3jax.ops import indexer as indexer_ops
 from m3jax.ops.dispatch import KernelChoice
@@ -68,24 +68,38 @@ class Attention(nnx.Module):
     self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.indexer = Indexer(cfg, dtype=dtype, rngs=rngs) if sparse else None
 
-  def __call__(
-      self, x: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
-      collect: Collect | None = None,
-  ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
-    """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache, record).
-
-    Without a cache the keys are this call's tokens, so positions must be 0..S-1 in every row. With a
-    cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
-    ``record`` holds what ``collect`` asks for (m3jax.research); empty by default.
-    """
-    # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
-    x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
+  def _projection_weights(self) -> tuple[list[jax.Array], list[tuple[str | None, ...]]]:
+    """q, k, v (and index q, k on sparse layers) weights [H, N_i, D_i] and their logical axes."""
     weights = [self.q_proj[...], self.k_proj[...], self.v_proj[...]]
     axes = [(ax.EMBED, ax.Q_HEADS, ax.HEAD_DIM)] + [(ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)] * 2
     if self.indexer is not None:
       index_weights, index_axes = self.indexer.projection_weights()
       weights, axes = weights + index_weights, axes + index_axes
-    q, k, v, *index = fused_projection(x, weights, axes)
+    return weights, axes
+
+  def fused_weights(self) -> FusedWeights | None:
+    """This layer's projection weights as one fused weight (``m3jax.parallel.projection``), to build once
+    before a decode loop and pass as ``projection`` on every step; None where the plan splits the hidden
+    axis (the layer then projects with each weight on its own)."""
+    return fuse_weights(*self._projection_weights())
+
+  def __call__(
+      self, x: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
+      collect: Collect | None = None, projection: FusedWeights | None = None,
+  ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
+    """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache, record).
+
+    Without a cache the keys are this call's tokens, so positions must be 0..S-1 in every row. With a
+    cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
+    ``record`` holds what ``collect`` asks for (m3jax.research); empty by default. ``projection``: this
+    layer's ``fused_weights()``, built once outside a decode loop; without it they are fused here.
+    """
+    # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
+    x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
+    if projection is None:
+      q, k, v, *index = fused_projection(x, *self._projection_weights())
+    else:
+      q, k, v, *index = project_fused(x, projection)
     q = apply_partial_rope(self.q_norm(q), cos, sin)
     k = apply_partial_rope(self.k_norm(k), cos, sin)
     idx_q = idx_k = None

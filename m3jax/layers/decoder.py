@@ -13,6 +13,7 @@ from m3jax.layers.attention import Attention
 from m3jax.layers.mlp import DenseMLP, MoE
 from m3jax.layers.norms import RMSNorm
 from m3jax.ops.dispatch import KernelChoice
+from m3jax.parallel.projection import FusedWeights
 from m3jax.research import Collect
 from m3jax.sharding import constrain
 
@@ -36,11 +37,13 @@ class DecoderLayer(nnx.Module):
 
   def __call__(
       self, h: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
-      collect: Collect | None = None,
+      collect: Collect | None = None, projection: FusedWeights | None = None,
   ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
-    """h [B,S,H] -> ([B,S,H], updated cache, research record (empty unless ``collect``))."""
+    """h [B,S,H] -> ([B,S,H], updated cache, research record (empty unless ``collect``)).
+
+    ``projection``: ``self.attn.fused_weights()`` built before a decode loop (see Attention)."""
     attn_out, cache, record = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache,
-                                        collect=collect)
+                                        collect=collect, projection=projection)
     h = constrain(h + attn_out, _RESIDUAL)
     mlp_in = self.post_attention_norm(h)
     h = constrain(h + self.mlp(mlp_in), _RESIDUAL)
