@@ -64,7 +64,7 @@ class MemoryPlan:
     out.append(f"  weights + cache           {_gib(self.total_per_device):>10}  per device (activations and "
                "compiler workspace not included)")
     out.append(f"  decode-loop workspace     {_gib(self.fused_projections):>10}  per device: each layer's q / k / v "
-               "(/ index) weights concatenated, held while generate's loop runs")
+               "(/ index) weights concatenated, held while a decode loop runs or a Decoder lives")
     out.extend(f"  note: {note}" for note in self.notes)
     return out
 
