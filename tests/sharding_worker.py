@@ -87,7 +87,7 @@ def _prompts(fixture: str):
 
 
 def generate(fixture: str, *meshes: str) -> dict:
-  from m3jax.generate import generate as gen  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import generate as gen, generate_stream  # pylint: disable=g-import-not-at-top
 
   prompts, want = _prompts(fixture)
   # Four rows (each prompt twice) so a batch can split over data x expert; each row must match its prompt.
@@ -97,8 +97,12 @@ def generate(fixture: str, *meshes: str) -> dict:
     start = time.perf_counter()
     model = _load(fixture, mesh)
     tokens = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=()).tokens
+    # generate_stream: a Decoder's pre-fused projection weights (sharded per device) passed into its steps
+    streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(),
+                                             steps_per_call=3)), axis=1)
     caches = model.init_caches(len(prompts), 256)
     out[mesh] = {"equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
+                 "stream_equal": bool((streamed == want).all()),
                  "cache_k": [list(caches[0].k.shape), str(caches[0].k.sharding.spec)],
                  "seconds": time.perf_counter() - start}
   return out
@@ -130,7 +134,7 @@ def distributed(fixture: str, mesh_arg: str, port: str, process_id: str, num_pro
 
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=int(num_processes),
                              process_id=int(process_id))
-  from m3jax.generate import generate as gen  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import generate as gen, generate_stream  # pylint: disable=g-import-not-at-top
 
   ids = np.load(FIXTURES / fixture / "reference.npz")["input_ids"][:, :256]
   local = jax.local_devices()[0]
