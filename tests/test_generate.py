@@ -323,10 +323,13 @@ def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
   assert _weight_concats(one.jaxpr.jaxpr, t.hidden_size) == []
 
   # ... and the compiler keeps them there (no computation reachable from the while body concatenates them).
+  # Only these widths: XLA:GPU's dot merger also joins, per step, other dots of one input in this fp32 model
+  # (the router's and the shared expert's: [64, 8 + 64]); BENCHMARKS.md notes it.
   hlo = _generate_jit.lower(*generate_args, **generate_kw).compile().as_text()
   comps = _computations(hlo)
   loop_comps = _reachable(comps, set(re.findall(r"body=%([\w.\-]+)", hlo)))
   assert loop_comps, "no while loop found in the compiled generate program"
   for name, text in comps.items():
     for width in re.findall(rf"= f32\[{t.hidden_size},(\d+)\]\{{[^}}]*\}} concatenate\(", text):
-      assert name not in loop_comps, f"the [{t.hidden_size}, {width}] weight concatenation runs per step"
+      assert int(width) not in expected or name not in loop_comps, \
+          f"the [{t.hidden_size}, {width}] projection weight concatenation runs per step"
