@@ -112,7 +112,7 @@ def test_memory_plan_full_m3():
   assert plan_memory(cfg, "tensor=8", batch=8, context=32768).total_per_device < 125e9  # + room for activations
   tp8 = plan_memory(cfg, "tensor=8", batch=1, context=1024)
   assert tp8.kv_heads_stored == 8 and tp8.cache["kv"] == 2 * 60 * 1024 * 1 * 128 * 2  # one KV head per device
-  # generate's hoisted fused projections: the device's 8 query heads + all 4 KV heads' k and v (replicated) per
+  # the fused projections a decode loop holds: the device's 8 query heads + all 4 KV heads' k and v (replicated) per
   # layer, + the 4 index query heads and the index key on the 57 sparse layers; bf16, hidden 6144
   t = cfg.text
   qkv = (t.num_heads // 8 + 2 * t.num_kv_heads) * t.head_dim
