@@ -244,9 +244,9 @@ class Decoder:
   @functools.cached_property
   def projections(self) -> tuple:
     """Every layer's projection weights fused (``M3ForCausalLM.fused_projections``), built on the first step and
-    reused by every later one, so steps do not concatenate them again (~7 % of a full-depth step at batch 4,
-    BENCHMARKS.md). Holds one more copy of the q / k / v / index weights while the Decoder lives (the memory
-    plan's "decode-loop workspace")."""
+    reused by every later one, so steps do not concatenate them again (6.5 % of a full-depth step at batch 4 on
+    the H200, BENCHMARKS.md). Holds one more copy of the q / k / v / index weights while the Decoder lives (the
+    memory plan's "decode-loop workspace")."""
     return _fuse_projections_jit(self.graph, self.params)
 
   @classmethod
