@@ -267,16 +267,8 @@ def regroup_stats(ids, pos, sel, bs):
   live = np.arange(users.shape[-1]) < count[..., None]
   per_wg = bs.queries_per_tile // 2
   unions = [((((users >> shift) & ((1 << per_wg) - 1)) != 0) & live).sum(-1).mean() for shift in (0, per_wg)]
-  launches = None
-  try:  # where the regrouped plan's time goes (CUPTI, every launch)
-    from jax.experimental.mosaic.gpu import profiler
-    _, per_kernel = profiler.measure(jax.jit(functools.partial(plan_fn, regroup=True)), aggregate=False)(ids, pos)
-    launches = sorted(((name, round(ms * 1e3, 1)) for name, ms in per_kernel), key=lambda x: -x[1])
-  except Exception:  # noqa: BLE001 - no CUPTI (CPU)
-    pass
   record("sparse_regroup", S=s, selection=sel, plan_ms=round(plan_ms, 3), consecutive_plan_ms=round(plain_ms, 3),
-         union_q4=round(float(sum(unions) / 2), 2), union_q8=round(float(count.mean()), 2),
-         plan_launches=None if launches is None else len(launches), plan_top_us=None if launches is None else launches[:12])
+         union_q4=round(float(sum(unions) / 2), 2), union_q8=round(float(count.mean()), 2))
 
 
 @guarded

@@ -77,8 +77,7 @@ def _row_metadata(q_positions, num_keys, queries_per_tile, heads_per_group, comp
 
 
 REGROUP_WINDOW = 64  # queries per regrouping window (aligned): a tile's queries come from one window
-REGROUP_MIN_UNION_RATIO = 1.5  # pair queries only when warpgroup unions exceed this x the mean selection
-_REGROUP_ROUNDS = (8, 8, 8)  # mutual-best rounds of the pairing levels (sets of 1, 2, 4 queries)
+_REGROUP_ROUNDS = 8  # mutual-best rounds per pairing level
 
 
 def _selection_bitsets(ids: jax.Array, num_blocks: int) -> jax.Array:
@@ -92,7 +91,7 @@ def _selection_bitsets(ids: jax.Array, num_blocks: int) -> jax.Array:
                         (ids.ndim,))
 
 
-def _pair_sets(sets: jax.Array, items: jax.Array, rounds: int) -> tuple[jax.Array, jax.Array]:
+def _pair_sets(sets: jax.Array, items: jax.Array) -> tuple[jax.Array, jax.Array]:
   """One pairing level: sets uint32 [..., k, words], items int32 [..., k, m] -> ([..., k/2, words], [..., k/2, 2m]).
 
   The cost of a pair is the size of its union. Rounds of mutual best choices pair the sets whose cheapest
@@ -110,7 +109,7 @@ def _pair_sets(sets: jax.Array, items: jax.Array, rounds: int) -> tuple[jax.Arra
   union = union * 4096 + (((lo * 64 + hi) * 2731 + 1213) & 4095)
   union = jnp.where(index[:, None] == index[None, :], big, union)
   partner = jnp.full(sets.shape[:-1], -1, jnp.int32)
-  for _ in range(rounds):
+  for _ in range(_REGROUP_ROUNDS):
     free = partner < 0
     cost = jnp.where(free[..., :, None] & free[..., None, :], union, big)
     best = jnp.argmin(cost, axis=-1).astype(jnp.int32)
@@ -130,28 +129,13 @@ def _pair_sets(sets: jax.Array, items: jax.Array, rounds: int) -> tuple[jax.Arra
   return take(sets, first) | take(sets, second), jnp.concatenate([take(items, first), take(items, second)], -1)
 
 
-def _warpgroup_unions(sets: jax.Array, queries_per_wg: int) -> jax.Array:
-  """sets uint32 [..., n, words] in slot order -> int32 [..., n / queries_per_wg]: union size of each run of
-  queries_per_wg consecutive slots (one compute warpgroup's queries)."""
-  runs = sets.reshape(*sets.shape[:-2], -1, queries_per_wg, sets.shape[-1])
-  union = jax.lax.reduce(runs, jnp.uint32(0), jax.lax.bitwise_or, (runs.ndim - 2,))
-  return jax.lax.population_count(union).astype(jnp.int32).sum(-1)
-
-
-def regrouped_query_order(
-    block_ids: jax.Array, *, num_blocks: int, queries_per_tile: int, min_union_ratio: float = REGROUP_MIN_UNION_RATIO,
-) -> jax.Array:
+def regrouped_query_order(block_ids: jax.Array, *, num_blocks: int, queries_per_tile: int) -> jax.Array:
   """Per KV group, an order of the queries in which consecutive tiles hold queries that share blocks.
 
   Within each aligned window of REGROUP_WINDOW queries, queries are paired (cost: the size of the pair's
   union of selected blocks), the pairs paired, and so on until sets of queries_per_tile; each set is a
-  tile, its first half the first compute warpgroup's queries. A window keeps its consecutive order unless
-  this shrinks the sum of its warpgroup unions. Mean 4-query unions on indexer selections at 16K: 31.2 ->
-  27.4 blocks correlated, 50.6 -> 43.6 random.
-
-  The pairing runs only when the selections are not already local: when the consecutive order's mean
-  warpgroup union is more than min_union_ratio x the mean selection (H200, 32K: regrouping paid from a
-  ratio of ~1.5; BENCHMARKS.md); otherwise the order is the identity (a lax.cond).
+  tile, its first half the first compute warpgroup's queries. Mean 4-query unions on indexer selections
+  at 16K (scripts/estimate_tile_regrouping.py): 31.2 -> 27.4 blocks correlated, 50.6 -> 43.5 random.
 
   Args:
     block_ids: int32 [B, Sq_pad, G, T] (-1 = empty; distinct ids per row), Sq_pad % REGROUP_WINDOW == 0.
@@ -163,28 +147,16 @@ def regrouped_query_order(
   """
   b, sq_pad, g, t = block_ids.shape
   window = REGROUP_WINDOW
-  if sq_pad % window or window % queries_per_tile or queries_per_tile & (queries_per_tile - 1) or queries_per_tile < 2:
-    raise ValueError(f"regrouping needs Sq_pad % {window} == 0 and a power-of-two queries_per_tile >= 2 dividing "
+  if sq_pad % window or window % queries_per_tile or queries_per_tile & (queries_per_tile - 1):
+    raise ValueError(f"regrouping needs Sq_pad % {window} == 0 and a power-of-two queries_per_tile dividing "
                      f"{window}; got Sq_pad={sq_pad}, queries_per_tile={queries_per_tile}")
-  per_wg = queries_per_tile // 2
   ids = jnp.moveaxis(block_ids, 2, 1).reshape(b, g, sq_pad // window, window, t)
   sets = _selection_bitsets(ids, num_blocks)  # [B, G, windows, 64, words]
-  identity = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32), sets.shape[:-1])
-  consecutive = _warpgroup_unions(sets, per_wg).sum(-1)  # [B, G, windows]
-  selected = (ids >= 0).sum(dtype=jnp.int32)
-
-  def pair_up(_):
-    paired, items = sets, identity[..., None]
-    for level in range(int(math.log2(queries_per_tile))):
-      paired, items = _pair_sets(paired, items, _REGROUP_ROUNDS[min(level, len(_REGROUP_ROUNDS) - 1)])
-    order = items.reshape(identity.shape)
-    regrouped = _warpgroup_unions(jnp.take_along_axis(sets, order[..., None], axis=-2), per_wg).sum(-1)
-    return jnp.where((regrouped < consecutive)[..., None], order, identity)
-
-  not_local = consecutive.sum() * per_wg > min_union_ratio * selected
-  order = jax.lax.cond(not_local, pair_up, lambda _: identity, None)
-  start = jnp.arange(0, sq_pad, window, dtype=jnp.int32)[:, None]
-  return (order + start).reshape(b, g, sq_pad)
+  items = jnp.broadcast_to(jnp.arange(window, dtype=jnp.int32)[:, None], (*sets.shape[:-1], 1))
+  for _ in range(int(math.log2(queries_per_tile))):
+    sets, items = _pair_sets(sets, items)
+  start = jnp.arange(0, sq_pad, window, dtype=jnp.int32)[:, None, None]
+  return (items + start).reshape(b, g, sq_pad)
 
 
 def _union_of_selections(ids):

@@ -200,30 +200,6 @@ def test_regrouped_plan_pairs_queries_that_share_blocks():
   np.testing.assert_array_equal(limits, expect)
 
 
-def _warpgroup_union_sums(plan, per_wg=4):
-  """Sum over each 64-query window (8 tiles) of the plan's per-warpgroup unions: [B, windows, G]."""
-  users, count = np.asarray(plan.users), np.asarray(plan.count)
-  live = np.arange(users.shape[-1]) < count[..., None]
-  unions = sum(((((users >> shift) & 15) != 0) & live).sum(-1) for shift in (0, per_wg))  # [B, tiles, G]
-  return unions.reshape(unions.shape[0], -1, 8, unions.shape[-1]).sum(2)
-
-
-def test_regrouping_never_widens_a_window_and_skips_local_selections():
-  """On indexer selections (random projections) every window's warpgroup unions shrink or stay; selections
-  that are already local (every query the same blocks) keep the consecutive order without pairing."""
-  n, sk = 256, 4000
-  pos = jnp.arange(sk - n, sk, dtype=jnp.int32)[None]
-  ids = _selection(1, n, 2, sk, pos, topk=6)
-  kw = dict(num_keys=sk, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
-  consecutive = _warpgroup_union_sums(sparse_plan(ids, pos, **kw))
-  regrouped = _warpgroup_union_sums(sparse_plan(ids, pos, **kw, regroup=True))
-  assert (regrouped <= consecutive).all() and regrouped.sum() < 0.95 * consecutive.sum()
-  same = jnp.broadcast_to(ids[:, :1], ids.shape)
-  local = sparse_plan(same, pos, **kw, regroup=True)
-  tiles = np.arange(n).reshape(-1, 1, 8)
-  np.testing.assert_array_equal(np.asarray(local.queries)[0], np.broadcast_to(tiles, (n // 8, 2, 8)))
-
-
 def test_regrouping_needs_the_warp_specialized_kernel():
   with pytest.raises(ValueError, match="regroup_queries needs compute_wgs=2"):
     SparseAttentionBlockSizes(queries_per_tile=4, regroup_queries=True)
