@@ -38,7 +38,6 @@ from pallas_kernels.attention import (
     SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
-from pallas_kernels.attention.plan import sparse_plan
 from pallas_kernels.indexer import IndexerBlockSizes, index_block_scores_reference, indexer_topk
 from pallas_kernels.indexer import indexer_topk_reference
 from pallas_kernels.indexer.api import select_blocks_sorted
@@ -135,12 +134,12 @@ def window_shared_selections(s, replaced, *, window=64, groups=NKV, topk=TOPK, s
 
 
 @guarded
-def locality_sweep(s, with_ref, variants):
+def locality_sweep(s, with_ref, default_variant):
   """Sparse prefill on window_shared_selections for a range of overlaps: kernel rate against the 4- and
   8-query unions (the XLA check on one of them)."""
   for replaced in (0, 1, 2, 4, 7, TOPK - 2):
     ids = window_shared_selections(s, replaced)
-    sparse_prefill_on(ids, f"window-shared, {replaced} private", with_ref and replaced == 2, variants)
+    sparse_prefill_on(ids, f"window-shared, {replaced} private", with_ref and replaced == 2, [default_variant])
 
 
 @guarded
@@ -251,24 +250,6 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
     err = rel_err(out, ref) if ref is not None else None
     record("sparse_prefill", S=s, selection=sel, union_q4=union_q4, variant=name, ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
-    if bs.regroup_queries:  # the plan's share of that time, and the unions the regrouped tiles walk
-      regroup_stats(ids, pos, sel, bs)
-
-
-def regroup_stats(ids, pos, sel, bs):
-  """Times the regrouped plan beside the consecutive one and records the unions its tiles walk."""
-  s = ids.shape[1]
-  plan_fn = functools.partial(sparse_plan, num_keys=s, queries_per_tile=bs.queries_per_tile,
-                              heads_per_group=NQ // NKV, compute_wgs=bs.compute_wgs)
-  ids = ids.astype(jnp.int32)
-  plan, plan_ms, _ = gpu_ms(jax.jit(functools.partial(plan_fn, regroup=True)), ids, pos)
-  _, plain_ms, _ = gpu_ms(jax.jit(functools.partial(plan_fn, regroup=False)), ids, pos)
-  users, count = np.asarray(plan.users), np.asarray(plan.count)
-  live = np.arange(users.shape[-1]) < count[..., None]
-  per_wg = bs.queries_per_tile // 2
-  unions = [((((users >> shift) & ((1 << per_wg) - 1)) != 0) & live).sum(-1).mean() for shift in (0, per_wg)]
-  record("sparse_regroup", S=s, selection=sel, plan_ms=round(plan_ms, 3), consecutive_plan_ms=round(plain_ms, 3),
-         union_q4=round(float(sum(unions) / 2), 2), union_q8=round(float(count.mean()), 2))
 
 
 @guarded
@@ -368,9 +349,6 @@ def table() -> str:
       lines.append(f"| kv_major_floor | S={r['S']} | {r['partial_GB']} GB of bf16 partials: write + merge | "
                    f"{r['write_ms']} + {r['merge_ms']} = {r['floor_ms']} ms | {r['write_GBs']} / {r['merge_GBs']} GB/s | "
                    f"{r['rel_err']} |")
-    elif r["section"] == "sparse_regroup":
-      lines.append(f"| sparse_regroup | S={r['S']} {r['selection']} | regrouped plan (consecutive plan) | "
-                   f"{r['plan_ms']} ms ({r['consecutive_plan_ms']} ms) | unions {r['union_q4']} / {r['union_q8']} | |")
     elif r["section"] in ("decode_kernels", "decode_check", "sparse_union"):
       continue
     else:
@@ -404,9 +382,6 @@ def main():
   variants = [  # the first is the prefill default (heuristic_block_sizes)
       ("Q=8 2 compute WGs stages=2, no ping-pong",
        SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")),
-      ("Q=8 2 WGs, regrouped queries",
-       SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off",
-                                 regroup_queries=True)),
       ("Q=8 2 WGs, ping-pong on every entry",
        SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="every")),
       ("Q=4 stages=1", SparseAttentionBlockSizes(queries_per_tile=4, kv_stages=1)),
@@ -424,9 +399,9 @@ def main():
     if "sparse" in sections:
       few = variants[:3] if args.quick else variants
       sparse_prefill(s, False, with_ref, variants[:3] if s > 40000 else few)
-      sparse_prefill(s, True, False, few if args.quick or INTERPRET else variants[:4] + variants[5:])
+      sparse_prefill(s, True, False, few if args.quick or INTERPRET else variants[:3] + variants[4:])
     if "locality" in sections:
-      locality_sweep(s, with_ref, variants[:2])
+      locality_sweep(s, with_ref, variants[0])
     if "kvmajor" in sections:
       kv_major_floor(s)
     if "dense" in sections and (s <= 40000 or not args.quick):

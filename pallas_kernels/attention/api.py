@@ -24,7 +24,7 @@ from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT
 from pallas_kernels.attention.config import heuristic_block_sizes, one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
-from pallas_kernels.attention.plan import REGROUP_WINDOW, dense_causal_plan, padded_query_count, sparse_plan
+from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -79,7 +79,7 @@ def _fit_block_sizes(bs: SparseAttentionBlockSizes, hpg: int, head_dim: int) -> 
     stages -= 1
   return SparseAttentionBlockSizes(
       queries_per_tile=qpt, kv_stages=stages, num_splits=bs.num_splits, p_in_smem=bs.p_in_smem, compute_wgs=wgs,
-      ping_pong=bs.ping_pong, regroup_queries=bs.regroup_queries and qpt & (qpt - 1) == 0,
+      ping_pong=bs.ping_pong,
   )
 
 
@@ -120,7 +120,7 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   """Pads each KV group's heads to a multiple of 8, queries to whole tiles and keys to whole blocks, runs the
   kernel, merges splits, unpads.
 
-  make_plan(positions, sq_pad, block_sizes, heads_per_group) builds the block lists.
+  make_plan(positions, sq_pad, queries_per_tile, compute_wgs, heads_per_group) builds the block lists.
   check_users: the plan is sparse (rows are masked by their query's bit of each entry's user mask).
   """
   b, sq, nq, d = q.shape
@@ -132,11 +132,10 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
         b, sq, k.shape[2], hpg, list_len, warp_specialized=not interpret, sparse=check_users
     )
   block_sizes = _fit_block_sizes(block_sizes, hpg, d)
-  regroup = check_users and block_sizes.regroup_queries  # whole 64-query windows of padded queries
-  sq_pad = padded_query_count(sq, REGROUP_WINDOW if regroup else block_sizes.queries_per_tile)
+  sq_pad = padded_query_count(sq, block_sizes.queries_per_tile)
   q = jnp.pad(q, [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
-  plan = make_plan(positions, sq_pad, block_sizes, hpg)
+  plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs, hpg)
   kp, vp = _pad_keys(k, v)
   launch = ws_attention_pallas if block_sizes.compute_wgs == 2 else attention_pallas
   o, lse = launch(
@@ -189,10 +188,10 @@ def sparse_attention(
   hpg = _kernel_heads_per_group(q.shape[2] // k.shape[2])
   topk = block_ids.shape[3]
 
-  def make_plan(positions, sq_pad, bs, heads_per_group):
+  def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
     ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
-    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=bs.queries_per_tile,
-                       heads_per_group=heads_per_group, compute_wgs=bs.compute_wgs, regroup=bs.regroup_queries)
+    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=heads_per_group,
+                       compute_wgs=wgs)
 
   # Longest block list of a tile, for the heuristic's split count (splits only run on the one-warpgroup
   # kernel): its tiles' queries, topk blocks each.
@@ -205,10 +204,10 @@ def sparse_attention(
 
 
 def _dense_kernel_attention(q, k, v, q_positions, *, scale, block_sizes, interpret):
-  def make_plan(positions, sq_pad, bs, heads_per_group):
+  def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
     return dense_causal_plan(
-        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=bs.queries_per_tile,
-        heads_per_group=heads_per_group, compute_wgs=bs.compute_wgs,
+        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt,
+        heads_per_group=heads_per_group, compute_wgs=wgs,
     )
 
   return _run_kernel(

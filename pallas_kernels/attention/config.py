@@ -31,9 +31,6 @@ class SparseAttentionBlockSizes:
     the entries both warpgroups use deadlocks (measured on the H200): the warpgroup ahead waits at its
     next shared entry for a K/V load whose pipeline slot the warpgroup behind still holds while it waits
     at the rendezvous, whenever two shared entries are >= kv_stages apart.
-  regroup_queries: sparse plans of the warp-specialized kernel only: per KV group, tiles hold queries of a
-    64-query window grouped by shared selections (plan.regrouped_query_order) instead of consecutive ones,
-    which shrinks the unions the kernel walks on selections that are not local. Dense plans ignore it.
   """
 
   queries_per_tile: int = 4
@@ -42,7 +39,6 @@ class SparseAttentionBlockSizes:
   p_in_smem: bool | None = None
   compute_wgs: int = 1
   ping_pong: str = "every"
-  regroup_queries: bool = False
 
   def __post_init__(self):
     if self.queries_per_tile < 1:
@@ -57,8 +53,6 @@ class SparseAttentionBlockSizes:
       raise ValueError(f"ping_pong must be 'every' or 'off', got {self.ping_pong!r}")
     if self.compute_wgs == 2 and (self.num_splits != 1 or self.queries_per_tile % 2):
       raise ValueError(f"compute_wgs=2 needs num_splits=1 and an even queries_per_tile, got {self}")
-    if self.regroup_queries and (self.compute_wgs != 2 or self.queries_per_tile & (self.queries_per_tile - 1)):
-      raise ValueError(f"regroup_queries needs compute_wgs=2 and a power-of-two queries_per_tile, got {self}")
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """Query/output tiles + K and V stages + per-row vectors (+ the P tiles when staged in smem)."""

@@ -37,37 +37,27 @@ _MEMORY_REGISTERS = 40
 
 
 def _ws_attention_kernel(
-    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
+    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
+    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool, ping_pong: str, regrouped: bool,
+    check_users: bool, acc_in_place: bool, ping_pong: str,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
-  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64] ([B, tiles, G, W * 64] when
-  regrouped); row_bit_ref int32 [W * 64]; when regrouped, queries_ref int32 [B, tiles, G, Q] (the tile's
-  query indices for this KV group; otherwise the tile's queries are consecutive); o_ref [1, B, Sq_pad, Nq, D].
+  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
+  o_ref [1, B, Sq_pad, Nq, D].
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
   bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
   ping-pong: one's softmax overlaps the other's wgmma) when ping_pong == "every" (see
   SparseAttentionBlockSizes.ping_pong); "off" lets them run unpaired.
   """
-  if regrouped:
-    queries_ref, o_ref, *refs = refs
-  else:
-    (o_ref, *refs), queries_ref = refs, None
-  qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier = refs
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
   batch = lax.axis_index("batch")
   wg = lax.axis_index("wg")
   first_query = tile * (queries_per_wg * compute_wgs)
-  tile_limits = row_limit_ref.at[batch, tile, group] if regrouped else row_limit_ref.at[batch, tile]
-
-  def query_index(i):
-    """Query index of the tile's i-th query (for this KV group)."""
-    return queries_ref[batch, tile, group, i] if regrouped else first_query + i
   heads = pl.ds(group * heads_per_group, heads_per_group)
   list_ref = blocks_ref.at[batch, tile, group]
   users_list_ref = users_ref.at[batch, tile, group]
@@ -83,13 +73,14 @@ def _ws_attention_kernel(
 
   def compute_context(run_pipeline):
     my_q = qo_smem.at[wg]
-    my_queries = [query_index(wg * queries_per_wg + i) for i in range(queries_per_wg)]
-    for i, query in enumerate(my_queries):
+    my_first = first_query + wg * queries_per_wg
+    for i in range(queries_per_wg):
       plgpu.copy_gmem_to_smem(
-          q_ref.at[batch, query, heads], my_q.at[pl.ds(i * heads_per_group, heads_per_group)], q_barrier.at[wg],
+          q_ref.at[batch, my_first + i, heads], my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
+          q_barrier.at[wg],
       )
-    plgpu.copy_gmem_to_smem(tile_limits.at[pl.ds(wg * ROWS_PER_TILE, ROWS_PER_TILE)], limit_smem.at[wg],
-                            q_barrier.at[wg])
+    plgpu.copy_gmem_to_smem(row_limit_ref.at[batch, tile, pl.ds(wg * ROWS_PER_TILE, ROWS_PER_TILE)],
+                            limit_smem.at[wg], q_barrier.at[wg])
     plgpu.copy_gmem_to_smem(row_bit_ref.at[pl.ds(wg * ROWS_PER_TILE, ROWS_PER_TILE)], bit_smem.at[wg],
                             q_barrier.at[wg])
     plgpu.barrier_wait(q_barrier.at[wg])
@@ -105,8 +96,9 @@ def _ws_attention_kernel(
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
     plgpu.commit_smem()
-    for i, query in enumerate(my_queries):
-      plgpu.copy_smem_to_gmem(my_q.at[pl.ds(i * heads_per_group, heads_per_group)], o_ref.at[0, batch, query, heads])
+    for i in range(queries_per_wg):
+      plgpu.copy_smem_to_gmem(my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
+                              o_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
 
   def skip(k_consumed, v_consumed, carry):
@@ -164,9 +156,9 @@ def _ws_attention_kernel(
   # it reaches, used by all of the warpgroup's queries, needs no mask.
   # (Computed by every thread; the memory warpgroup's index is clamped to stay in bounds, its value unused.)
   first_row = jnp.minimum(wg, compute_wgs - 1) * ROWS_PER_TILE
-  wg_min_limit = tile_limits[first_row]
+  wg_min_limit = row_limit_ref[batch, tile, first_row]
   for i in range(1, queries_per_wg):
-    wg_min_limit = jnp.minimum(wg_min_limit, tile_limits[first_row + i * heads_per_group])
+    wg_min_limit = jnp.minimum(wg_min_limit, row_limit_ref[batch, tile, first_row + i * heads_per_group])
 
   def body(idx, k_smem, v_smem, k_consumed, v_consumed, carry):
     entry = idx[0]
@@ -235,10 +227,8 @@ def ws_attention_pallas(
   qpt = block_sizes.queries_per_tile
   qpw = qpt // wgs
   p_in_smem = bool(p_in_smem) or bool(interpret)
-  regrouped = plan.queries is not None
   if (wgs != 2 or block_sizes.num_splits != 1 or qpt % wgs or sq_pad % qpt or qpw * hpg > ROWS_PER_TILE
-      or k.shape[1] % KEY_BLOCK or plan.row_limit.shape[-1] != wgs * ROWS_PER_TILE
-      or plan.row_limit.ndim != (4 if regrouped else 3)):
+      or k.shape[1] % KEY_BLOCK or plan.row_limit.shape[-1] != wgs * ROWS_PER_TILE):
     raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {block_sizes=}, {plan.row_limit.shape=}")
   kernel = functools.partial(
       _ws_attention_kernel, queries_per_wg=qpw, heads_per_group=hpg, compute_wgs=wgs,
@@ -247,7 +237,7 @@ def ws_attention_pallas(
       # it). The GPU interpreter runs each simulated warpgroup on a pool thread; its barrier waits block
       # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
       # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
-      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong, regrouped=regrouped,
+      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong,
   )
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
@@ -269,6 +259,5 @@ def ws_attention_pallas(
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
       kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}",
-  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit,
-    *([plan.queries] if regrouped else []))
+  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
   return o, None

@@ -9,9 +9,6 @@ compiled with P in registers.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +19,6 @@ from pallas_kernels.attention import (
     SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
-from pallas_kernels.attention.plan import sparse_plan
 from pallas_kernels.indexer import indexer_topk_reference
 import kernel_modes
 
@@ -126,85 +122,6 @@ def test_sparse_two_compute_warpgroups(mode):
   positions = jnp.asarray(pos)
   got = _sparse_case(mode, 2, 24, 32, 2, 128, 600, positions, topk=3, block_sizes=_TWO_WGS)
   assert (got[0, 16:] == 0).all() and (got[1, 11:] == 0).all()
-
-
-_REGROUPED_WORKER = "M3JAX_REGROUPED_INTERPRET_WORKER"
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_sparse_regrouped_queries(mode):
-  """The warp-specialized kernel on a regrouped plan: per KV group, tiles of queries paired by shared
-  selections within a 64-query window (query rows gathered and output rows scattered by the kernel).
-
-  Queries alternate between two selection families, interleaved differently in each KV group, so the
-  regrouping moves queries across tiles differently per group; 60 real queries at scattered positions
-  (the window's last 4 are padding, one warpgroup of a tile gets only padding and skips every entry).
-
-  Interpret mode runs in a subprocess with 8 host devices: the GPU interpreter runs every simulated
-  warpgroup as its own XLA CPU computation, and with one host device these lists hung on the 2-core machine
-  (2 of 2 runs; the same shapes with consecutive tiles, or the regrouped path with an identity order, pass;
-  with 8 host devices the regrouped case passes).
-  """
-  if mode == "interpret" and not os.environ.get(_REGROUPED_WORKER):
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"),
-               **{_REGROUPED_WORKER: "1"})
-    test_id = f"{__file__}::test_sparse_regrouped_queries[interpret]"
-    try:
-      done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_id], env=env,
-                            capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as e:
-      pytest.fail(f"interpret run of the regrouped kernel hung (600 s): {e.stdout!s:.2000}")
-    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
-    return
-  sq, nkv, sk, topk = 60, 2, 900, 3
-  rng = np.random.default_rng(3)
-  pos = np.sort(rng.choice(np.arange(130, 890), sq, replace=False))[None].astype(np.int32)
-  ids = np.full((1, sq, nkv, topk), -1, np.int32)
-  for i in range(sq):
-    own = pos[0, i] // 128
-    for g in range(nkv):
-      family = [[0, 2], [1, 3]][(i // (g + 1)) % 2] if own >= 4 else [0]
-      ids[0, i, g, :1 + len(family)] = [own, *family]
-  q, k, v = _qkv(1, sq, 32, nkv, 128, sk, jnp.bfloat16)
-  blocks = dataclasses.replace(_TWO_WGS, regroup_queries=True)
-  got = sparse_attention(q, k, v, jnp.asarray(ids), jnp.asarray(pos), block_size=128, scale=128 ** -0.5,
-                         interpret=(mode == "interpret"), block_sizes=blocks)
-  ref = sparse_attention_reference(q, k, v, jnp.asarray(ids), jnp.asarray(pos), block_size=128, scale=128 ** -0.5)
-  _assert_close(got, ref, jnp.bfloat16)
-
-
-def test_regrouped_plan_pairs_queries_that_share_blocks():
-  """Queries alternating between two disjoint selections: consecutive tiles walk both (4 blocks), regrouped
-  tiles one (2 blocks), with a different interleaving per KV group; tiles stay inside 64-query windows and
-  every row keeps its own query's limit. (Every pair of a family ties here: the rounds of mutual best
-  choices leave a few sets, which the hash-ordered pairing of leftovers must still keep apart.)"""
-  n = 128
-  fam = np.array([[0, 1], [2, 3]], np.int32)
-  ids = np.stack([fam[np.arange(n) % 2], fam[(np.arange(n) // 2) % 2]], axis=1)[None]  # [1, n, 2 groups, 2]
-  pos = (1000 + np.arange(n, dtype=np.int32))[None]
-  kw = dict(num_keys=1200, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
-  consecutive = sparse_plan(jnp.asarray(ids), jnp.asarray(pos), **kw)
-  plan = sparse_plan(jnp.asarray(ids), jnp.asarray(pos), **kw, regroup=True)
-  assert consecutive.queries is None and (np.asarray(consecutive.count) == 4).all()
-  count = np.asarray(plan.count)
-  assert (count == 2).all(), count
-  queries = np.asarray(plan.queries)[0]  # [tiles, G, 8]
-  for g in range(2):
-    assert sorted(queries[:, g].reshape(-1)) == list(range(n))
-    assert (queries[:, g].min(-1) // 64 == queries[:, g].max(-1) // 64).all()
-    family = ids[0, queries[:, g], g, 0]  # [tiles, 8]
-    assert (family == family[:, :1]).all()
-  assert not (queries[:, 0] == queries[:, 1]).all()
-  limits = np.asarray(plan.row_limit)[0]  # [tiles, G, 128]: row = warpgroup * 64 + query * 16 + head
-  expect = np.repeat(1000 + queries.reshape(-1, 2, 2, 4), 16, axis=-1).reshape(limits.shape)
-  np.testing.assert_array_equal(limits, expect)
-
-
-def test_regrouping_needs_the_warp_specialized_kernel():
-  with pytest.raises(ValueError, match="regroup_queries needs compute_wgs=2"):
-    SparseAttentionBlockSizes(queries_per_tile=4, regroup_queries=True)
-  with pytest.raises(ValueError, match="regroup_queries needs"):
-    SparseAttentionBlockSizes(queries_per_tile=6, compute_wgs=2, regroup_queries=True)
 
 
 @pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")

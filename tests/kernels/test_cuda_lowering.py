@@ -131,24 +131,6 @@ def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
 
 
 @pytest.mark.parametrize("dims", DIMS)
-@pytest.mark.parametrize("batch,new,cached", CALLS[:2])
-def test_sparse_attention_with_regrouped_queries_lowers(dims: Dims, batch: int, new: int, cached: int):
-  """The warp-specialized prefill kernel on a regrouped plan (query indices read per tile and KV group)."""
-  from pallas_kernels.attention import SparseAttentionBlockSizes  # pylint: disable=g-import-not-at-top
-
-  sk = cached + new
-  blocks = SparseAttentionBlockSizes(queries_per_tile=2 * 64 // (-(-dims.q_heads // dims.kv_heads // 8) * 8),
-                                     kv_stages=2, compute_wgs=2, ping_pong="off", regroup_queries=True)
-  args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
-          _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32),
-          _positions(batch, new))
-  text = _lower_for_cuda(
-      lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5, block_sizes=blocks), *args)
-  _assert_mosaic(text)
-  assert "m3_attention_ws" in text
-
-
-@pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("batch,new,cached", CALLS)
 def test_causal_attention_kernel_lowers(dims: Dims, batch: int, new: int, cached: int):
   """The Pallas path of the dense layers (cuDNN takes plain prefills on a GPU; here the kernel is forced)."""
