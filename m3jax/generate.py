@@ -118,10 +118,10 @@ def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_
 
 
 def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, caches: tuple,
-            projections: tuple | None = None) -> tuple[jax.Array, tuple]:
-  """tokens int32 [B] at positions [B] -> (next-token logits fp32 [B, V], caches). ``projections``: the
-  model's ``fused_projections()``, built once before a loop of decode steps."""
-  out = model.forward(tokens[:, None], positions=positions[:, None], caches=caches, projections=projections)
+            decode_weights: tuple | None = None) -> tuple[jax.Array, tuple]:
+  """tokens int32 [B] at positions [B] -> (next-token logits fp32 [B, V], caches). ``decode_weights``: the
+  model's ``decode_weights()``, built once before a loop of decode steps."""
+  out = model.forward(tokens[:, None], positions=positions[:, None], caches=caches, decode_weights=decode_weights)
   return out.logits[:, 0], out.caches
 
 
@@ -132,7 +132,7 @@ def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds
   model = nnx.merge(graphdef, state)
   b = prompt.shape[0]
   logits, caches = _prefill(model, prompt, lengths, cache_len, embeds)
-  projections = model.fused_projections()  # once, not per step (XLA:GPU does not hoist them out of the loop)
+  prepared = model.decode_weights()  # once, not per step (XLA:GPU does not hoist them out of the loop)
 
   def cond(carry):
     step, _, _, _, _, done, _ = carry
@@ -145,7 +145,7 @@ def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds
     tokens = tokens.at[:, step].set(tok)
     new_lengths = new_lengths + (~done).astype(jnp.int32)
     done = done | jnp.isin(tok, eos_ids)
-    logits, caches = _decode(model, tok, lengths + step, caches, projections)
+    logits, caches = _decode(model, tok, lengths + step, caches, prepared)
     return step + 1, logits, caches, tokens, new_lengths, done, key
 
   init = (jnp.int32(0), logits, caches, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
@@ -232,7 +232,7 @@ class Decoder:
 
   Each jitted call hands over the parameters as a flat tuple of arrays with a pre-hashed graph, instead of
   splitting the module graph (``nnx.split`` of a 60-layer model takes tens of ms) and flattening an nnx.State
-  on every step, and fuses each layer's projection weights once (``projections``) for all its steps.
+  on every step, and prepares each layer's decode weights once (``decode_weights``) for all its steps.
   ``generate_stream`` runs its steps through ``Decoder.sample_steps``; ``generate`` runs its whole loop on the
   device and pays no per-step host cost at all.
   """
@@ -242,12 +242,12 @@ class Decoder:
   plan: sharding.ShardingPlan | None
 
   @functools.cached_property
-  def projections(self) -> tuple:
-    """Every layer's projection weights fused (``M3ForCausalLM.fused_projections``), built on the first step and
-    reused by every later one, so steps do not concatenate them again (6.5 % of a full-depth step at batch 4 on
-    the H200, BENCHMARKS.md). Holds one more copy of the q / k / v / index weights while the Decoder lives (the
-    memory plan's "decode-loop workspace")."""
-    return _fuse_projections_jit(self.graph, self.params)
+  def decode_weights(self) -> tuple:
+    """Every layer's weights prepared for decode steps (``M3ForCausalLM.decode_weights``), built on the first
+    step and reused by every later one, so steps do not rebuild them: the projection weights fused (6.5 % of a
+    full-depth step at batch 4 on the H200, BENCHMARKS.md) and, for fp32 weights on the MoE kernels, the
+    experts' bf16 split. Held while the Decoder lives (the memory plan's "decode-loop workspace")."""
+    return _decode_weights_jit(self.graph, self.params)
 
   @classmethod
   def of(cls, model: M3ForCausalLM) -> Decoder:
@@ -269,7 +269,8 @@ class Decoder:
     max_len = caches[0].max_length
     if positions.max() >= max_len:
       raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
-    return _decode_step_jit(self.graph, self.params, self.projections, self.put(tokens), self.put(positions), caches)
+    return _decode_step_jit(self.graph, self.params, self.decode_weights, self.put(tokens), self.put(positions),
+                            caches)
 
   def sample_steps(self, logits: jax.Array, caches: tuple, positions: np.ndarray, key: jax.Array,
                    sampling: SamplingParams, num_steps: int = 1) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
@@ -279,22 +280,22 @@ class Decoder:
     input caches are donated."""
     if num_steps < 1:
       raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-    return _sample_decode_jit(self.graph, self.params, self.projections, logits, caches, self.put(positions), key,
+    return _sample_decode_jit(self.graph, self.params, self.decode_weights, logits, caches, self.put(positions), key,
                               sampling=sampling, num_steps=num_steps)
 
 
 @functools.partial(jax.jit, static_argnames=("graph",))
-def _fuse_projections_jit(graph: _GraphKey, params) -> tuple:
-  return graph.merge(params).fused_projections()
+def _decode_weights_jit(graph: _GraphKey, params) -> tuple:
+  return graph.merge(params).decode_weights()
 
 
 @functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("caches",))
-def _decode_step_jit(graph: _GraphKey, params, projections, tokens, positions, caches):
-  return _decode(graph.merge(params), tokens, positions, caches, projections)
+def _decode_step_jit(graph: _GraphKey, params, decode_weights, tokens, positions, caches):
+  return _decode(graph.merge(params), tokens, positions, caches, decode_weights)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "sampling", "num_steps"), donate_argnames=("caches",))
-def _sample_decode_jit(graph: _GraphKey, params, projections, logits, caches, positions, key, *,
+def _sample_decode_jit(graph: _GraphKey, params, decode_weights, logits, caches, positions, key, *,
                        sampling: SamplingParams, num_steps: int):
   model = graph.merge(params)
 
@@ -302,7 +303,7 @@ def _sample_decode_jit(graph: _GraphKey, params, projections, logits, caches, po
     tokens, logits, caches, key = carry
     key, sub = jax.random.split(key)
     tok = sample(logits, sub, sampling)
-    logits, caches = _decode(model, tok, positions + i, caches, projections)
+    logits, caches = _decode(model, tok, positions + i, caches, decode_weights)
     return tokens.at[i].set(tok), logits, caches, key
 
   tokens = jnp.zeros((num_steps, logits.shape[0]), jnp.int32)

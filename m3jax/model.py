@@ -13,12 +13,11 @@ from m3jax import logical_axes as ax
 from m3jax import sharding
 from m3jax.cache import LayerCache
 from m3jax.config import M3Config
-from m3jax.layers.decoder import DecoderLayer
+from m3jax.layers.decoder import DecodeWeights, DecoderLayer
 from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice, resolve_kernels
-from m3jax.parallel.projection import FusedWeights
 from m3jax.research import Collect
 from m3jax.vision import embed as vision_embed
 from m3jax.vision.encoder import VisionModel
@@ -86,12 +85,13 @@ class M3ForCausalLM(nnx.Module):
     return jnp.take(self.embed[...], input_ids, axis=0)
 
   @sharding.uses_model_plan
-  def fused_projections(self) -> tuple[FusedWeights | None, ...]:
-    """Every layer's attention projection weights fused (``Attention.fused_weights``), for ``forward``'s
-    ``projections``: build them once before a decode loop (inside the same jit) so that the loop's steps do
-    not concatenate the weights again. They hold one more copy of the q / k / v / index weights (the plan's
-    "decode-loop workspace")."""
-    return tuple(layer.attn.fused_weights() for layer in self.layers)
+  def decode_weights(self) -> tuple[DecodeWeights, ...]:
+    """Every layer's weights prepared for a loop of decode steps (``DecoderLayer.decode_weights``), for
+    ``forward``'s ``decode_weights``: build them once before a decode loop (inside the same jit) so that the
+    loop's steps do not rebuild them. They hold one more copy of the q / k / v / index weights, fused (the
+    plan's "decode-loop workspace"), and for fp32 weights on the MoE kernels the experts' bf16 split (1.5x the
+    expert weights)."""
+    return tuple(layer.decode_weights() for layer in self.layers)
 
   @sharding.uses_model_plan
   def forward(
@@ -103,7 +103,7 @@ class M3ForCausalLM(nnx.Module):
       inputs_embeds: jax.Array | None = None,
       logits_at: jax.Array | None = None,
       collect: Collect | None = None,
-      projections: Sequence[FusedWeights | None] | None = None,
+      decode_weights: Sequence[DecodeWeights] | None = None,
   ) -> ForwardOutput:
     """Runs the backbone.
 
@@ -116,8 +116,8 @@ class M3ForCausalLM(nnx.Module):
       logits_at: optional int32 [B]: compute logits only at this index of each row (prefill), giving
         logits [B, 1, V] instead of [B, S, V].
       collect: research intermediates to record (m3jax.research.Collect); off by default.
-      projections: ``fused_projections()`` built once outside a decode loop; by default each layer fuses
-        its projection weights itself.
+      decode_weights: ``decode_weights()`` built once outside a decode loop; by default each layer prepares
+        its weights itself (fuses its projection weights, splits fp32 expert weights for the kernels).
 
     Returns:
       ForwardOutput with fp32 logits [B, S, V] (or [B, 1, V] with logits_at).
@@ -133,15 +133,15 @@ class M3ForCausalLM(nnx.Module):
       raise ValueError(f"positions has shape {positions.shape}, expected {(b, s)} like input_ids")
     if caches is not None and len(caches) != cfg.num_layers:
       raise ValueError(f"got {len(caches)} layer caches for {cfg.num_layers} layers")
-    if projections is not None and len(projections) != cfg.num_layers:
-      raise ValueError(f"got {len(projections)} fused projections for {cfg.num_layers} layers")
+    if decode_weights is not None and len(decode_weights) != cfg.num_layers:
+      raise ValueError(f"got decode_weights for {len(decode_weights)} layers, the model has {cfg.num_layers}")
     h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
     h = sharding.constrain(h, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     new_caches, records = [], []
     for i, layer in enumerate(self.layers):
       h, c, record = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i],
-                           collect=collect, projection=None if projections is None else projections[i])
+                           collect=collect, prepared=None if decode_weights is None else decode_weights[i])
       new_caches.append(c)
       records.append(record)
     hidden = self.final_norm(h)

@@ -270,15 +270,15 @@ def main() -> None:
     nxt = (jnp.argmax(logits, -1).astype(jnp.int32) + noise) % t.vocab_size
     return sharding.replicated(nxt, plan), sharding.replicated(pos + 1, plan)
 
-  # Each layer's projection weights fused once, as an m3jax.Decoder holds them for all its steps (the step
-  # programs take them as arguments; params = (state, projections)).
-  projections = jax.jit(lambda state: nnx.merge(graphdef, state).fused_projections())(state)
-  params = (state, projections)
+  # Each layer's decode weights (projection weights fused) prepared once, as an m3jax.Decoder holds them for all
+  # its steps (the step programs take them as arguments; params = (state, prepared)).
+  prepared = jax.jit(lambda state: nnx.merge(graphdef, state).decode_weights())(state)
+  params = (state, prepared)
 
   @functools.partial(jax.jit, donate_argnames=("caches",), compiler_options=step_options)
   def chained_step(params, tok, pos, caches, noise):
-    state, projections = params
-    logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches, projections)
+    state, prepared = params
+    logits, caches = _decode(nnx.merge(graphdef, state), tok, pos, caches, prepared)
     return (*next_inputs(logits, pos, noise), caches)
 
   @functools.partial(jax.jit, donate_argnames=("caches",), static_argnames=("fuse_per_step",),
@@ -287,13 +287,13 @@ def main() -> None:
     """len(noise) chained decode steps in one program (a lax.fori_loop, as ``m3jax.generate`` runs them):
     the host dispatches once, so per-call argument handling and launch costs are paid once. The steps use
     the pre-fused projection weights, or (``fuse_per_step``, the A/B baseline) fuse them in every step."""
-    state, projections = params
+    state, prepared = params
     model = nnx.merge(graphdef, state)
-    projections = None if fuse_per_step else projections
+    prepared = None if fuse_per_step else prepared
 
     def body(i, carry):
       tok, pos, caches = carry
-      logits, caches = _decode(model, tok, pos, caches, projections)
+      logits, caches = _decode(model, tok, pos, caches, prepared)
       return (*next_inputs(logits, pos, noise[i]), caches)
     return jax.lax.fori_loop(0, noise.shape[0], body, (tok, pos, caches))
 
@@ -332,7 +332,7 @@ def main() -> None:
       cal_pos = put(np.broadcast_to(prompt + np.arange(cal_len, dtype=np.int32), (c, cal_len)).copy())
       before, after, caches = balance_routing(model, cal_tok, cal_pos, caches)
       state = nnx.state(model)  # the calibrated selection biases
-      params = (state, projections)  # (biases do not change the fused attention weights)
+      params = (state, prepared)  # (biases change neither the fused attention weights nor the experts)
       balance = {"imbalance_before": statistics.mean(before), "imbalance_after": statistics.mean(after),
                  "calibration_tokens": c * cal_len, "seconds": time.perf_counter() - begin}
       print(f"routing balanced on {c * cal_len} tokens: busiest expert / mean load per MoE layer "

@@ -8,6 +8,7 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py pallas_on_cpu_mesh MESH           kernels='pallas' on CPU devices: by rule
   python tests/sharding_worker.py cuda_lowering MESH ...            Mosaic GPU kernels per lowered step
   python tests/sharding_worker.py fused_projection MESH[+sp] ...    fused q/k/v GEMM vs one GEMM per weight
+  python tests/sharding_worker.py prepared_experts MESH ...         fp32 experts' kernel operands per device
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP).
 Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
@@ -248,11 +249,44 @@ def fused_projection(*mesh_args: str) -> dict:
   return out
 
 
+def prepared_experts(*mesh_args: str) -> dict:
+  """m3jax.parallel.moe.prepare_routed (fp32 experts' kernel operands, built per device) under each plan against
+  pallas_kernels.moe.prepare_expert_weights on one device; and m3jax.ops.moe.prepare_experts' rule on CPU meshes
+  (the interpreter cannot run kernels there, so nothing is prepared)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from m3jax import logical_axes as ax  # pylint: disable=g-import-not-at-top
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.ops.moe import prepare_experts  # pylint: disable=g-import-not-at-top
+  from m3jax.parallel.moe import prepare_routed  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.moe import prepare_expert_weights  # pylint: disable=g-import-not-at-top
+
+  keys = jax.random.split(jax.random.key(0), 2)
+  w_gu = jax.random.normal(keys[0], (8, 64, 96), jnp.float32)
+  w_dn = jax.random.normal(keys[1], (8, 48, 64), jnp.float32)
+  want = prepare_expert_weights(jnp.float32, w_gu, w_dn)
+  out = {}
+  for arg in mesh_args:
+    mesh, rules = _mesh_and_rules(arg)
+    plan = sharding.ShardingPlan(mesh, rules)
+    gu = jax.device_put(w_gu, plan.sharding((ax.EXPERTS, ax.EMBED, ax.EXPERT_MLP), w_gu.shape))
+    dn = jax.device_put(w_dn, plan.sharding((ax.EXPERTS, ax.EXPERT_MLP, ax.EMBED), w_dn.shape))
+    with sharding.use_plan(plan):
+      got = jax.jit(lambda a, b: prepare_routed(plan, a, b))(gu, dn)
+      by_rule = prepare_experts(gu, dn, w_gu[0], w_dn[0], kernels="pallas")
+    out[arg] = {"equal": bool(np.array_equal(np.asarray(got.gate_up, np.float32),
+                                             np.asarray(want.gate_up, np.float32))
+                              and np.array_equal(np.asarray(got.down, np.float32), np.asarray(want.down, np.float32))),
+                "gate_up_spec": str(got.gate_up.sharding.spec), "shapes": [list(got.gate_up.shape),
+                                                                            list(got.down.shape)],
+                "devices_per_shard": len(got.gate_up.addressable_shards), "prepared_on_cpu_mesh": by_rule is not None}
+  return out
+
+
 def main(argv: list[str]) -> None:
   commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
               "vision": vision,
               "pallas_on_cpu_mesh": pallas_on_cpu_mesh, "cuda_lowering": cuda_lowering,
-              "fused_projection": fused_projection}
+              "fused_projection": fused_projection, "prepared_experts": prepared_experts}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 

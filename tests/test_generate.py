@@ -312,13 +312,14 @@ def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
   # A Decoder (generate_stream, decode_step) fuses them in a program of their own, once, and its step programs
   # take them as arguments.
   decoder = m3jax.Decoder.of(model)
-  assert decoder.projections is decoder.projections
-  assert [p.weight.shape for p in decoder.projections] == [(t.hidden_size, w) for w in by_layer]
+  assert decoder.decode_weights is decoder.decode_weights
+  assert [p.projection.weight.shape for p in decoder.decode_weights] == [(t.hidden_size, w) for w in by_layer]
+  assert all(p.experts is None for p in decoder.decode_weights)  # reference path: nothing to prepare
   caches = model.init_caches(2, 128)
   positions = jnp.asarray([16, 12], jnp.int32)
-  steps = _sample_decode_jit.trace(decoder.graph, decoder.params, decoder.projections, jnp.zeros((2, t.vocab_size)),
+  steps = _sample_decode_jit.trace(decoder.graph, decoder.params, decoder.decode_weights, jnp.zeros((2, t.vocab_size)),
                                    caches, positions, jax.random.key(0), sampling=SamplingParams(), num_steps=3)
-  one = _decode_step_jit.trace(decoder.graph, decoder.params, decoder.projections, positions, positions, caches)
+  one = _decode_step_jit.trace(decoder.graph, decoder.params, decoder.decode_weights, positions, positions, caches)
   assert _weight_concats(steps.jaxpr.jaxpr, t.hidden_size) == []
   assert _weight_concats(one.jaxpr.jaxpr, t.hidden_size) == []
 

@@ -119,6 +119,15 @@ def test_memory_plan_full_m3():
   index = (t.index_num_heads + 1) * t.index_head_dim
   assert tp8.fused_projections == t.hidden_size * 2 * (t.num_layers * qkv + t.num_sparse_layers * index)
   assert any(line.startswith("  decode-loop workspace") for line in tp8.lines())
+  assert tp8.split_experts == 0 and tp8.decode_workspace == tp8.fused_projections  # bf16: experts used as they are
+  # fp32 weights: the loop also holds the experts' bf16 [hi; lo; hi] split for the MoE kernels (6 bytes per 4);
+  # the shared expert only on one device (it runs outside the kernels under expert parallelism).
+  tiny = m3jax.tiny()
+  one32 = plan_memory(tiny, "data=1", batch=1, context=256, dtype=jnp.float32)
+  assert one32.split_experts == int(1.5 * (one32.weights["routed experts"] + one32.weights["shared experts"]))
+  ep32 = plan_memory(tiny, "expert=2", batch=1, context=256, dtype=jnp.float32)
+  assert ep32.split_experts == int(1.5 * ep32.weights["routed experts"]) > 0
+  assert "fp32 experts' bf16 split" in " ".join(ep32.lines())
   fp8 = plan_memory(cfg, "tensor=4", batch=4, context=65536, expert_bytes=FP8_BYTES)
   assert fp8.weights["routed experts"] == pytest.approx(experts / 2 * FP8_BYTES / 4, rel=1e-6)
   assert fp8.total_per_device < 141e9, fp8.lines()
@@ -194,6 +203,19 @@ def test_fused_projection_runs_per_device_or_falls_back():
     fused = not mesh.endswith("+embed")
     assert result[mesh]["shard_map"] == fused and result[mesh]["concatenate"] == fused, (mesh, result[mesh])
   assert result["tensor=8"]["q_sharding"] == "P(None, None, 'tensor')"
+
+
+def test_fp32_expert_operands_are_prepared_per_device_in_the_expert_layout():
+  """An fp32 decode loop's expert operands (bf16 hi / lo split, m3jax.parallel.moe.prepare_routed) are built per
+  device, sharded like the experts, equal to the single-device split; on CPU meshes, where the kernels cannot
+  run, prepare_experts builds nothing (by rule)."""
+  meshes = ["expert=8", "tensor=8", "expert=4,tensor=2"]
+  result = run_worker("prepared_experts", *meshes)
+  for mesh in meshes:
+    assert result[mesh]["equal"] and result[mesh]["shapes"] == [[8, 192, 96], [8, 144, 64]], (mesh, result[mesh])
+    assert result[mesh]["devices_per_shard"] == 8 and not result[mesh]["prepared_on_cpu_mesh"], (mesh, result[mesh])
+  assert result["expert=8"]["gate_up_spec"] == "P('expert', None, None)"
+  assert result["expert=4,tensor=2"]["gate_up_spec"] == "P(('expert', 'tensor'), None, None)"
 
 
 def test_sharded_steps_lower_to_mosaic_gpu_kernels_on_every_mesh():

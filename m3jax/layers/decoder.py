@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,12 +14,27 @@ from m3jax.config import TextConfig
 from m3jax.layers.attention import Attention
 from m3jax.layers.mlp import DenseMLP, MoE
 from m3jax.layers.norms import RMSNorm
+from m3jax.ops import moe as moe_ops
 from m3jax.ops.dispatch import KernelChoice
 from m3jax.parallel.projection import FusedWeights
 from m3jax.research import Collect
 from m3jax.sharding import constrain
 
 _RESIDUAL = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+  """One layer's weights prepared once before a decode loop and passed to every step, so that the loop does not
+  rebuild them per step (XLA:GPU hoists neither out of an on-device loop; BENCHMARKS.md).
+
+  projection: the attention's q / k / v (/ index) weights fused (``Attention.fused_weights``), or None.
+  experts: the MoE kernels' operands (``MoE.prepared_experts``: fp32 weights' bf16 split), or None.
+  """
+
+  projection: FusedWeights | None = None
+  experts: moe_ops.ExpertOperands | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -35,18 +52,26 @@ class DecoderLayer(nnx.Module):
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha,
                           limit=cfg.swiglu_limit, dtype=dtype, rngs=rngs)
 
+  def decode_weights(self) -> DecodeWeights:
+    """This layer's ``DecodeWeights``, to build once before a decode loop (inside the same jit)."""
+    experts = self.mlp.prepared_experts() if isinstance(self.mlp, MoE) else None
+    return DecodeWeights(projection=self.attn.fused_weights(), experts=experts)
+
   def __call__(
       self, h: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
-      collect: Collect | None = None, projection: FusedWeights | None = None,
+      collect: Collect | None = None, prepared: DecodeWeights | None = None,
   ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
     """h [B,S,H] -> ([B,S,H], updated cache, research record (empty unless ``collect``)).
 
-    ``projection``: ``self.attn.fused_weights()`` built before a decode loop (see Attention)."""
+    ``prepared``: ``self.decode_weights()`` built before a decode loop; by default each part prepares its
+    weights itself, per call."""
+    prepared = prepared or DecodeWeights()
     attn_out, cache, record = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache,
-                                        collect=collect, projection=projection)
+                                        collect=collect, projection=prepared.projection)
     h = constrain(h + attn_out, _RESIDUAL)
     mlp_in = self.post_attention_norm(h)
-    h = constrain(h + self.mlp(mlp_in), _RESIDUAL)
+    mlp_out = self.mlp(mlp_in, prepared.experts) if isinstance(self.mlp, MoE) else self.mlp(mlp_in)
+    h = constrain(h + mlp_out, _RESIDUAL)
     if collect is not None and collect.routing and isinstance(self.mlp, MoE):
       record.update(self.mlp.routing(mlp_in))
     if collect is not None and collect.residual:

@@ -47,12 +47,19 @@ class MoE(nnx.Module):
     self.shared = DenseMLP(h, cfg.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype,
                            rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x [B, S, H] -> [B, S, H]."""
+  def __call__(self, x: jax.Array, prepared: moe_ops.ExpertOperands | None = None) -> jax.Array:
+    """x [B, S, H] -> [B, S, H]. ``prepared``: ``prepared_experts()`` built once outside a decode loop."""
     return moe_ops.moe_block(
         x, self.router[...], self.correction_bias[...], self.w_gate_up[...], self.w_down[...],
         self.shared.gate_up[...], self.shared.down[...], top_k=self.top_k, routed_scaling_factor=self.scale,
-        swiglu_alpha=self.alpha, swiglu_limit=self.limit, kernels=self.kernels)
+        swiglu_alpha=self.alpha, swiglu_limit=self.limit, kernels=self.kernels, prepared=prepared)
+
+  def prepared_experts(self) -> moe_ops.ExpertOperands | None:
+    """The MoE kernels' operands of this layer's experts, to build once before a decode loop and pass to every
+    step (``__call__``'s ``prepared``); None where the kernels would not gain (reference path, bf16 weights).
+    For fp32 weights they hold the bf16 hi / lo split: 1.5x the expert weights' bytes while the loop runs."""
+    return moe_ops.prepare_experts(self.w_gate_up[...], self.w_down[...], self.shared.gate_up[...],
+                                   self.shared.down[...], kernels=self.kernels)
 
   def routing(self, x: jax.Array) -> dict[str, jax.Array]:
     """Router intermediates for x [B, S, H]: router_logits fp32 [B,S,E], expert_ids int32 [B,S,K],

@@ -56,8 +56,11 @@ def run_op(
     reference: Callable[..., jax.Array],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    kernel_kwargs: dict[str, Any] | None = None,
 ) -> Any:
-  """Runs ``kernel_module.kernel_name(*args, **kwargs, interpret=...)`` or ``reference(*args, **kwargs)``."""
+  """Runs ``kernel_module.kernel_name(*args, **kwargs, **kernel_kwargs, interpret=...)`` or
+  ``reference(*args, **kwargs)``. ``kernel_kwargs``: kernel-only inputs that do not change the result (operands
+  prepared once for many calls, e.g. ``pallas_kernels.moe.prepare_expert_weights``); the reference ignores them."""
   if choice == "reference":
     return reference(*args, **kwargs)
   on_gpu = _on_gpu()
@@ -74,10 +77,18 @@ def run_op(
     return reference(*args, **kwargs)
   interpret = False if on_gpu else _interpret_params()
   try:
-    return kernel(*args, **kwargs, interpret=interpret)
+    return kernel(*args, **kwargs, **(kernel_kwargs or {}), interpret=interpret)
   except NotImplementedError as e:
     _log_once(f"{kernel_module}.{kernel_name}: falls back to the reference: {e}")
     return reference(*args, **kwargs)
+
+
+def runs_kernel(choice: KernelChoice) -> bool:
+  """Whether ``run_op`` with this choice calls a kernel (compiled or interpreted) in the current context, before
+  any shape-based fallback: what inputs prepared only for kernels are worth building for."""
+  if choice == "reference" or (choice == "auto" and not _on_gpu()):
+    return False
+  return _on_gpu() or not _multi_device_plan()
 
 
 def _on_gpu() -> bool:

@@ -35,6 +35,7 @@ class MemoryPlan:
   cache_global: int
   kv_heads_stored: int  # KV heads per layer in the cache (after replication)
   fused_projections: int = 0  # per device: every layer's projection weights concatenated (decode-loop workspace)
+  split_experts: int = 0  # per device: fp32 expert weights' bf16 hi / lo split for the MoE kernels (same workspace)
   notes: tuple[str, ...] = ()
 
   @property
@@ -48,6 +49,11 @@ class MemoryPlan:
   @property
   def total_per_device(self) -> int:
     return self.weights_per_device + self.cache_per_device
+
+  @property
+  def decode_workspace(self) -> int:
+    """Bytes per device of the weights a decode loop prepares once (``M3ForCausalLM.decode_weights``)."""
+    return self.fused_projections + self.split_experts
 
   def lines(self) -> list[str]:
     n = math.prod(self.mesh.values())
@@ -63,8 +69,10 @@ class MemoryPlan:
                f"{self.kv_heads_stored} KV heads stored per layer)")
     out.append(f"  weights + cache           {_gib(self.total_per_device):>10}  per device (activations and "
                "compiler workspace not included)")
-    out.append(f"  decode-loop workspace     {_gib(self.fused_projections):>10}  per device: each layer's q / k / v "
-               "(/ index) weights concatenated, held while a decode loop runs or a Decoder lives")
+    split = (f" + the fp32 experts' bf16 split for the MoE kernels ({_gib(self.split_experts)})"
+             if self.split_experts else "")
+    out.append(f"  decode-loop workspace     {_gib(self.decode_workspace):>10}  per device: each layer's q / k / v "
+               f"(/ index) weights concatenated{split}, held while a decode loop runs or a Decoder lives")
     out.extend(f"  note: {note}" for note in self.notes)
     return out
 
@@ -123,6 +131,13 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     total += nbytes
     weights[comp] = weights.get(comp, 0.0) + nbytes / split
     fused += nbytes / split if projection else 0.0
+  # fp32 weights run the MoE kernels through a bf16 [hi; lo; hi] copy (3 x 2 bytes per 4-byte weight), which a
+  # decode loop prepares once: the routed experts, and the shared expert where it runs in the kernels (one device).
+  split_experts = 0.0
+  if jnp.dtype(dtype) == jnp.float32 and expert_bytes is None:
+    split_experts = 1.5 * weights.get("routed experts", 0.0)
+    if math.prod(sizes.values()) == 1:
+      split_experts += 1.5 * weights.get("shared experts", 0.0)
   t = config.text
   heads_ranks = math.prod(sizes[a] for a in spec_axes(logical_spec((ax.ACT_HEADS,), sizes, rules)[0]))
   kv_heads = t.num_kv_heads * (heads_ranks // t.num_kv_heads if heads_ranks > t.num_kv_heads else 1)
@@ -152,4 +167,4 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
   return MemoryPlan(mesh=sizes, batch=batch, context=context, weights={k: int(v) for k, v in weights.items()},
                     weights_global=int(total), cache={k: int(v) for k, v in cache.items()},
                     cache_global=int(global_cache), kv_heads_stored=kv_heads, fused_projections=int(fused),
-                    notes=tuple(notes))
+                    split_experts=int(split_experts), notes=tuple(notes))

@@ -7,7 +7,9 @@ width equals the routed expert width; otherwise it runs as a one-expert grouped 
 dtypes: bf16/f16 operands run natively (fp32 accumulation and epilogue, one rounding of the
 activation, as M3_SPEC §2.5). fp32 operands run through the same bf16 kernels with a 3-pass split
 (hi*hi + hi*lo + lo*hi, stacked along K), which is fp32-accurate to ~1e-5 relative at 3x the bf16
-FLOPs plus a split copy of the weights: a correctness path, not a fast one.
+FLOPs plus a split copy of the weights: a correctness path, not a fast one. The split copy is made per call
+unless the caller passes it (``prepare_expert_weights``, built once before a decode loop: XLA:GPU does not hoist
+it out of the loop, so an fp32 decode loop would otherwise re-split every expert on every step).
 """
 
 from __future__ import annotations
@@ -92,6 +94,74 @@ def _split3_rhs(w: jax.Array) -> jax.Array:
   return jnp.concatenate([hi, lo, hi], axis=-2)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertOperands:
+  """Expert weights as the grouped GEMMs read them (``prepare_expert_weights``).
+
+  Native dtypes: the weights cast to the compute dtype. fp32: the bf16 3-pass split [hi; lo; hi] stacked
+  along K, so K is 3x the weight's (gate_up [E, 3H, 2I], down [E, 3I, H], shared [3H, 2Is] / [3Is, H]).
+  The shared expert's entries are None where only the routed experts are prepared (``routed_experts``).
+  """
+
+  gate_up: jax.Array
+  down: jax.Array
+  shared_gate_up: jax.Array | None = None
+  shared_down: jax.Array | None = None
+
+
+def _k_factor(dtype) -> int:
+  return 3 if jnp.dtype(dtype) == jnp.float32 else 1
+
+
+def _operand(w: jax.Array, dtype) -> jax.Array:
+  return _split3_rhs(w) if jnp.dtype(dtype) == jnp.float32 else w.astype(dtype)
+
+
+def prepare_expert_weights(dtype, w_gate_up: jax.Array, w_down: jax.Array, shared_gate_up: jax.Array | None = None,
+                           shared_down: jax.Array | None = None) -> ExpertOperands:
+  """The GEMM operands of ``moe_block`` / ``routed_experts`` for activations of ``dtype``, to build once and
+  pass as ``prepared`` to many calls (a decode loop). Only fp32 gains from it: its operands are a split copy,
+  1.5x the fp32 weights' bytes; native dtypes use the weights as they are.
+
+  Args:
+    dtype: the activations' dtype (bf16 / f16 / f32), i.e. the kernels' compute dtype.
+    w_gate_up [E, H, 2I], w_down [E, I, H]; optional shared_gate_up [H, 2Is], shared_down [Is, H].
+  """
+  if jnp.dtype(dtype) not in (*_NATIVE, jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"prepare_expert_weights supports bf16/f16/f32 activations, got {dtype}")
+  _check_expert_weights(w_gate_up, w_down, w_gate_up.shape[1])
+  if (shared_gate_up is None) != (shared_down is None):
+    raise ValueError("prepare_expert_weights needs both shared_gate_up and shared_down, or neither")
+  op = functools.partial(_operand, dtype=dtype)
+  return ExpertOperands(op(w_gate_up), op(w_down), None if shared_gate_up is None else op(shared_gate_up),
+                        None if shared_down is None else op(shared_down))
+
+
+def _resolve_operands(prepared: ExpertOperands | None, dtype, w_gate_up, w_down, shared_gate_up=None,
+                      shared_down=None) -> ExpertOperands:
+  """``prepared`` checked against the weights it stands for (shapes and dtype for ``dtype``), else built here."""
+  if prepared is None:
+    return prepare_expert_weights(dtype, w_gate_up, w_down, shared_gate_up, shared_down)
+  if not isinstance(prepared, ExpertOperands):
+    raise TypeError(f"prepared must be an ExpertOperands (prepare_expert_weights), got {type(prepared).__name__}")
+  f = _k_factor(dtype)
+  op_dtype = jnp.bfloat16 if f == 3 else dtype
+  pairs = {"gate_up": (prepared.gate_up, w_gate_up), "down": (prepared.down, w_down)}
+  if shared_gate_up is not None:
+    pairs.update(shared_gate_up=(prepared.shared_gate_up, shared_gate_up), shared_down=(prepared.shared_down,
+                                                                                          shared_down))
+  for name, (got, w) in pairs.items():
+    want = (*w.shape[:-2], f * w.shape[-2], w.shape[-1])
+    if got is None or got.shape != want or got.dtype != jnp.dtype(op_dtype):
+      raise ValueError(
+          f"prepared.{name} does not match the weights for {jnp.dtype(dtype).name} activations: expected "
+          f"{jnp.dtype(op_dtype).name}{list(want)}, got "
+          f"{None if got is None else f'{got.dtype.name}{list(got.shape)}'} (prepare_expert_weights with the "
+          "activations' dtype)")
+  return prepared
+
+
 def _fit_smem(bs: MoeBlockSizes, n_parts: int, out_itemsize: int) -> MoeBlockSizes:
   """Shrinks the pipeline depth until the CTA fits in shared memory."""
   while bs.smem_bytes(n_parts, 2, out_itemsize) > SMEM_LIMIT_BYTES:
@@ -139,16 +209,15 @@ class _Gemms:
 
   def __call__(self, meta, lhs, wgu, wd, sgu=None, sd=None, broadcast_lhs=False) -> jax.Array:
     """lhs [M_pad, H] grouped by meta's tiles (or [block_m, H] read by every tile, broadcast_lhs)
-    -> [M_pad, H] in dtype (rows of dead tiles unwritten)."""
-    fp32 = self.dtype == jnp.float32
-    prep_w = (lambda w: _split3_rhs(w)) if fp32 else (lambda w: w.astype(self.dtype))
-    prep_lhs = _split3_lhs if fp32 else (lambda a: a)
+    -> [M_pad, H] in dtype (rows of dead tiles unwritten). Weights: GEMM operands (``ExpertOperands``'
+    arrays, K already split for fp32)."""
+    prep_lhs = _split3_lhs if self.dtype == jnp.float32 else (lambda a: a)
     mm = functools.partial(grouped_matmul, num_sms=self.num_sms, interpret=self.interpret, alpha=self.alpha,
                            limit=self.limit)
-    act = mm(meta, prep_lhs(lhs), prep_w(wgu), None if sgu is None else prep_w(sgu), n_parts=2,
-             epilogue="swiglu", out_dtype=self.dtype, block_sizes=self.gate_up_tiles, broadcast_lhs=broadcast_lhs)
-    return mm(meta, prep_lhs(act), prep_w(wd), None if sd is None else prep_w(sd), n_parts=1,
-              epilogue="none", out_dtype=self.dtype, block_sizes=self.down_tiles)
+    act = mm(meta, prep_lhs(lhs), wgu, sgu, n_parts=2, epilogue="swiglu", out_dtype=self.dtype,
+             block_sizes=self.gate_up_tiles, broadcast_lhs=broadcast_lhs)
+    return mm(meta, prep_lhs(act), wd, sd, n_parts=1, epilogue="none", out_dtype=self.dtype,
+              block_sizes=self.down_tiles)
 
 
 def _dispatch(expert_ids, x, *, num_experts, block_m, fuse_shared, drop_foreign=False) -> tuple[Dispatch, jax.Array]:
@@ -193,6 +262,7 @@ def routed_experts(
     interpret: bool | plgpu.InterpretGPUParams = False,
     block_sizes: tuple[MoeBlockSizes, MoeBlockSizes] | None = None,
     num_sms: int | None = None,
+    prepared: ExpertOperands | None = None,
 ) -> jax.Array:
   """Routed experts only, for given routing (``routed_experts_reference``'s contract) on the Mosaic GPU kernels.
 
@@ -204,6 +274,8 @@ def routed_experts(
     x: [T, H]; weights fp32 [T, K]; expert_ids int32 [T, K] (global ids); w_gate_up [E_local, H, 2I];
       w_down [E_local, I, H]; first_expert: int32 scalar (may be traced).
     interpret / block_sizes / num_sms: as ``moe_block``.
+    prepared: optional ``prepare_expert_weights(x.dtype, w_gate_up, w_down)`` built once (a decode loop);
+      by default built here.
 
   Returns:
     fp32 [T, H], unscaled by routed_scaling_factor.
@@ -217,13 +289,14 @@ def routed_experts(
   _check_dtypes("routed_experts", x, w_gate_up=w_gate_up, w_down=w_down)
   e_local = w_gate_up.shape[0]
   k = expert_ids.shape[1]
+  ops = _resolve_operands(prepared, x.dtype, w_gate_up, w_down)
   if t == 0:
     return jnp.zeros((0, h), jnp.float32)
   gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, k, e_local, alpha, limit,
                       widths=(w_down.shape[1],), hidden=h)
   d, lhs = _dispatch(expert_ids - first_expert, x, num_experts=e_local, block_m=gemms.block_m, fuse_shared=False,
                      drop_foreign=True)
-  y = gemms(d.meta, lhs, w_gate_up, w_down, broadcast_lhs=d.row_token is None)
+  y = gemms(d.meta, lhs, ops.gate_up, ops.down, broadcast_lhs=d.row_token is None)
   return _combine(weights, y, d.pos, d.kept)
 
 
@@ -251,6 +324,7 @@ def moe_block(
     block_sizes: tuple[MoeBlockSizes, MoeBlockSizes] | None = None,
     num_sms: int | None = None,
     fuse_shared: bool = True,
+    prepared: ExpertOperands | None = None,
 ) -> jax.Array:
   """The M3 MoE block (same contract as ``moe_block_reference``) on Pallas Mosaic GPU kernels.
 
@@ -261,6 +335,8 @@ def moe_block(
     block_sizes: (gate_up, down) tiles; both must share block_m. Default: heuristic_block_sizes.
     num_sms: persistent grid size (default: the device's SM count; 3 when interpreting).
     fuse_shared: run the shared expert inside the routed launches when Is == I.
+    prepared: optional ``prepare_expert_weights(x.dtype, w_gate_up, w_down, shared_gate_up, shared_down)``,
+      built once for many calls (an fp32 decode loop); by default the operands are built here, per call.
 
   Returns:
     [T, H] in x.dtype.
@@ -274,6 +350,7 @@ def moe_block(
   e = router_w.shape[1]
   inter = w_gate_up.shape[2] // 2
   shared_inter = shared_down.shape[0]
+  ops = _resolve_operands(prepared, x.dtype, w_gate_up, w_down, shared_gate_up, shared_down)
   if t == 0:
     return jnp.zeros((0, h), x.dtype)
   gemms = _Gemms.make(x.dtype, interpret, block_sizes, num_sms, t, top_k, e, swiglu_alpha, swiglu_limit,
@@ -283,8 +360,8 @@ def moe_block(
 
   weights, expert_ids = route(x, router_w, correction_bias, top_k=top_k)
   d, lhs = _dispatch(expert_ids, x, num_experts=e, block_m=bm, fuse_shared=fused)
-  y = gemms(d.meta, lhs, w_gate_up, w_down, shared_gate_up if fused else None, shared_down if fused else None,
-            broadcast_lhs=d.row_token is None)
+  y = gemms(d.meta, lhs, ops.gate_up, ops.down, ops.shared_gate_up if fused else None,
+            ops.shared_down if fused else None, broadcast_lhs=d.row_token is None)
   routed = _combine(weights, y, d.pos, d.kept)
   if fused:
     shared = y[:t]
@@ -292,5 +369,5 @@ def moe_block(
     s_tiles = -(-t // bm)
     s_meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])
     x_pad = jnp.pad(x, ((0, s_tiles * bm - t), (0, 0)))
-    shared = gemms(s_meta, x_pad, shared_gate_up[None], shared_down[None])[:t]
+    shared = gemms(s_meta, x_pad, ops.shared_gate_up[None], ops.shared_down[None])[:t]
   return (routed * routed_scaling_factor + shared.astype(jnp.float32)).astype(x.dtype)

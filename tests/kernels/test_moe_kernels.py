@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import (MoeBlockSizes, heuristic_block_sizes, moe_block, moe_block_reference,
-                                route_reference, routed_experts, routed_experts_reference)
+from pallas_kernels.moe import (ExpertOperands, MoeBlockSizes, heuristic_block_sizes, moe_block, moe_block_reference,
+                                prepare_expert_weights, route_reference, routed_experts, routed_experts_reference)
 from pallas_kernels.moe.routing import route, top_k_all_pairs
 from pallas_kernels.moe.dispatch import build_broadcast_dispatch, build_dispatch, max_routed_tiles
 import kernel_modes
@@ -278,6 +278,56 @@ def test_input_validation():
     routed_experts(args[0], weights, ids, args[3].astype(jnp.int8), args[4], **kw)
 
 
+# (dtype, T, shared width): decode (broadcast layout) with the shared expert fused, prefill with it unfused.
+_PREPARED = [(jnp.float32, 3, 128), (jnp.float32, 70, 256), (jnp.bfloat16, 3, 128)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype,t,shared_inter", _PREPARED, ids=["f32-decode", "f32-prefill-unfused", "bf16-decode"])
+def test_prepared_operands_give_the_same_result(mode, dtype, t, shared_inter):
+  # Operands built once (prepare_expert_weights, as before a decode loop) give bit-identical outputs to operands
+  # built per call, for moe_block and routed_experts; the fp32 operands are the [hi; lo; hi] split along K.
+  args = _make(t, 128, 128, 8, shared_inter, dtype, seed=t)
+  x, router_w, bias, w_gu, w_dn, s_gu, s_dn = args
+  prepared = jax.jit(prepare_expert_weights, static_argnums=0)(dtype, w_gu, w_dn, s_gu, s_dn)
+  k = 3 if dtype == jnp.float32 else 1
+  assert prepared.gate_up.shape == (8, k * 128, 256) and prepared.down.shape == (8, k * 128, 128)
+  assert prepared.shared_gate_up.shape == (k * 128, 2 * shared_inter)
+  assert prepared.gate_up.dtype == jnp.bfloat16
+  tiles = _PREFILL_TILES if t > 64 else _SMALL_TILES
+  run = lambda **kw: np.asarray(moe_block(*args, top_k=2, **_KW, interpret=mode == "interpret", block_sizes=tiles,
+                                          **kw).astype(jnp.float32))
+  per_call, once = run(), run(prepared=prepared)
+  np.testing.assert_array_equal(once, per_call)
+  tol = _tolerance(dtype, 128)
+  ref = np.asarray(moe_block_reference(*args, top_k=2, **_KW).astype(jnp.float32))
+  np.testing.assert_allclose(once, ref, rtol=tol, atol=tol * np.abs(ref).max())
+  weights, ids, _ = route_reference(x, router_w, bias, top_k=2)
+  kw = dict(alpha=_KW["swiglu_alpha"], limit=_KW["swiglu_limit"], interpret=mode == "interpret", block_sizes=tiles)
+  routed = ExpertOperands(prepared.gate_up, prepared.down)
+  np.testing.assert_array_equal(np.asarray(routed_experts(x, weights, ids, w_gu, w_dn, **kw, prepared=routed)),
+                                np.asarray(routed_experts(x, weights, ids, w_gu, w_dn, **kw)))
+
+
+def test_prepared_operands_are_checked_against_the_weights():
+  x, router_w, bias, w_gu, w_dn, s_gu, s_dn = args = _make(4, 128, 128, 8, 128, jnp.float32)
+  kw = dict(top_k=2, **_KW, interpret=True)
+  with pytest.raises(ValueError, match=r"prepared.gate_up .* expected bfloat16\[8, 384, 256\], got bfloat16\[8, 128"):
+    moe_block(*args, **kw, prepared=prepare_expert_weights(jnp.bfloat16, w_gu, w_dn, s_gu, s_dn))  # built for bf16
+  with pytest.raises(ValueError, match=r"prepared.shared_gate_up .* got None"):
+    moe_block(*args, **kw, prepared=prepare_expert_weights(jnp.float32, w_gu, w_dn))
+  with pytest.raises(ValueError, match=r"prepared.down"):
+    other = prepare_expert_weights(jnp.float32, w_gu[:4], w_dn[:4], s_gu, s_dn)
+    moe_block(*args, **kw, prepared=ExpertOperands(prepare_expert_weights(jnp.float32, w_gu, w_dn).gate_up,
+                                                   other.down, other.shared_gate_up, other.shared_down))
+  with pytest.raises(TypeError, match="ExpertOperands"):
+    moe_block(*args, **kw, prepared=(w_gu, w_dn))
+  with pytest.raises(ValueError, match="both shared_gate_up and shared_down"):
+    prepare_expert_weights(jnp.float32, w_gu, w_dn, s_gu)
+  with pytest.raises(NotImplementedError, match="int8"):
+    prepare_expert_weights(jnp.int8, w_gu, w_dn)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_expert_parallel_block_runs_the_kernel_inside_shard_map(mode, caplog, monkeypatch):
   # m3jax.parallel.moe on a one-device mesh: the per-device routed experts go through run_op to the
@@ -299,3 +349,33 @@ def test_expert_parallel_block_runs_the_kernel_inside_shard_map(mode, caplog, mo
   ref = np.asarray(ref.astype(jnp.float32))
   tol = _tolerance(jnp.bfloat16, 256)
   np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_expert_parallel_block_takes_prepared_fp32_operands(mode, caplog, monkeypatch):
+  # fp32 weights: the routed experts' split operands built once per device (prepare_routed, in the expert layout)
+  # and passed into shard_map give the same result as splitting inside every call; shared operands are refused
+  # (the shared expert runs outside the kernels there).
+  from m3jax import sharding
+  from m3jax.ops import moe as moe_ops
+  from m3jax.parallel import moe as parallel_moe
+
+  if mode == "interpret":
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  args = _make(5, 128, 128, 8, 128, jnp.float32, seed=12)
+  plan = sharding.ShardingPlan(sharding.make_mesh("expert=1"))
+  kw = dict(top_k=2, **_KW)
+  with sharding.use_plan(plan), caplog.at_level("WARNING", logger="m3jax.ops"):
+    prepared = jax.jit(lambda gu, d: parallel_moe.prepare_routed(plan, gu, d))(args[3], args[4])
+    assert prepared.shared_gate_up is None and prepared.gate_up.shape == (8, 384, 256)
+    run = jax.jit(lambda x, p, *w: parallel_moe.moe_block(plan, x, *w, **kw, kernels="pallas", prepared=p))
+    once, per_call = run(args[0][None], prepared, *args[1:]), run(args[0][None], None, *args[1:])
+    with pytest.raises(ValueError, match="routed operands only"):
+      run(args[0][None], prepare_expert_weights(jnp.float32, *args[3:]), *args[1:])
+    assert moe_ops.prepare_experts(*args[3:], kernels="reference") is None
+    assert moe_ops.prepare_experts(*(w.astype(jnp.bfloat16) for w in args[3:]), kernels="pallas") is None
+  assert not [r for r in caplog.records if "falls back" in r.getMessage()]
+  np.testing.assert_array_equal(np.asarray(once), np.asarray(per_call))
+  ref = np.asarray(moe_block_reference(*args, **kw))
+  tol = _tolerance(jnp.float32, 128)
+  np.testing.assert_allclose(np.asarray(once[0]), ref, rtol=tol, atol=tol * np.abs(ref).max())
