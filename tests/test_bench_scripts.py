@@ -55,6 +55,17 @@ def test_bench_moe_tiny(tmp_path):
     assert isinstance(prefill[key], float), (key, prefill[key])
 
 
+def test_bench_fp32_decode_smoke(tmp_path):
+  out = tmp_path / "fp32.json"
+  run_script("scripts/bench_fp32_decode.py", "--smoke", "--tokens", "3", "--out", str(out))
+  r = json.loads(out.read_text())
+  block, loop = r["block"][0], r["loop"]
+  assert block["bit_equal"] and block["rel_l2_vs_reference"] < 1e-4 and block["touched_experts"] >= 2
+  assert block["per_call_ms"] > 0 and block["prepared_ms"] > 0 and block["prepared_read_gb"] > 0
+  assert loop["same_tokens"] and loop["per_step_ms"] > 0 and loop["prepared_ms"] > 0
+  assert loop["prepared_expert_operands_gb"] == pytest.approx(1.5 * 4 * (8 * 3 + 3) * 256 * 128 / 1e9)
+
+
 def test_bench_moe_tiny_narrow_experts_and_decode_tiles(tmp_path):
   """--expert-width (a tensor-parallel slice) and --decode-tiles rows: each variant checked against the reference."""
   out = tmp_path / "moe.json"
