@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._fp32_split import split_hi_lo
 from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic_block_sizes
 from pallas_kernels.moe.dispatch import Dispatch, build_broadcast_dispatch, build_dispatch
 from pallas_kernels.moe.kernel_sm90 import grouped_matmul
@@ -69,28 +70,15 @@ def _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_u
                 shared_down=shared_down)
 
 
-def _split_hi_lo(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """fp32 -> (hi, lo) bf16 with a ~= hi + lo (to ~2^-17 relative).
-
-  hi rounds the mantissa with integer ops: a float round trip through bf16 would be
-  folded away by XLA:GPU's excess-precision simplification (lo == 0, bf16-level accuracy).
-  """
-  a = a.astype(jnp.float32)
-  bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
-  bits = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)  # round to nearest bf16
-  hi = jax.lax.bitcast_convert_type(bits, jnp.float32)  # exactly representable in bf16
-  return hi.astype(jnp.bfloat16), (a - hi).astype(jnp.bfloat16)
-
-
 def _split3_lhs(a: jax.Array) -> jax.Array:
   """fp32 [M, K] -> bf16 [M, 3K] = [hi, hi, lo]."""
-  hi, lo = _split_hi_lo(a)
+  hi, lo = split_hi_lo(a)
   return jnp.concatenate([hi, hi, lo], axis=-1)
 
 
 def _split3_rhs(w: jax.Array) -> jax.Array:
   """fp32 [..., K, N] -> bf16 [..., 3K, N] = [hi; lo; hi] (pairs with _split3_lhs)."""
-  hi, lo = _split_hi_lo(w)
+  hi, lo = split_hi_lo(w)
   return jnp.concatenate([hi, lo, hi], axis=-2)
 
 
