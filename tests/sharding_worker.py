@@ -135,7 +135,7 @@ def distributed(fixture: str, mesh_arg: str, port: str, process_id: str, num_pro
 
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=int(num_processes),
                              process_id=int(process_id))
-  from m3jax.generate import generate as gen, generate_stream  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import generate as gen  # pylint: disable=g-import-not-at-top
 
   ids = np.load(FIXTURES / fixture / "reference.npz")["input_ids"][:, :256]
   local = jax.local_devices()[0]
