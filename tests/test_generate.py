@@ -13,6 +13,7 @@ from conftest import FIXTURES
 from m3jax.generate import (_decode_step_jit, _generate_jit, _sample_decode_jit, bucket_length, generate,
                             generate_stream, prefill)
 from m3jax.sampling import SamplingParams, sample
+from program_walk import concatenates, hlo_computations, loop_body_computations
 
 HF_FIXTURES = ["legacy_b128", "flat_local2_b128", "flat_b16"]
 
@@ -248,45 +249,11 @@ def test_decoder_steps_reproduce_generate_and_compile_once(models):
     decoder.step(tok[None], state.lengths[None], caches)
 
 
-def _computations(hlo_text: str) -> dict[str, str]:
-  """Compiled HLO text -> {computation name: its text}."""
-  comps = {}
-  for block in hlo_text.split("\n\n"):
-    head = block.strip().split("\n", 1)[0]
-    name = head.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
-    if name:
-      comps[name] = block
-  return comps
-
-
-def _reachable(comps: dict[str, str], roots: set[str]) -> set[str]:
-  """Computations called (fusions, nested loops, branches) from ``roots``, the roots included."""
-  seen, todo = set(), list(roots)
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    todo += re.findall(r"%([\w.\-]+)", " ".join(re.findall(
-        r"(?:calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|%[\w.\-]+)", comps[name])))
-  return seen
-
-
-def _weight_concats(jaxpr, hidden: int, in_loop: bool = False) -> list[tuple[int, bool]]:
+def _weight_concats(jaxpr, hidden: int) -> list[tuple[int, bool]]:
   """(width, inside a while loop?) of every concatenate producing a [hidden, width] array in a jaxpr, nested
   jaxprs (jit, shard_map, loops, branches) included."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "concatenate":
-      shape = eqn.outvars[0].aval.shape
-      if len(shape) == 2 and shape[0] == hidden:
-        found.append((shape[1], in_loop))
-    for name, value in eqn.params.items():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += _weight_concats(sub, hidden, in_loop or (eqn.primitive.name == "while" and name == "body_jaxpr"))
-  return found
+  found = concatenates(jaxpr, lambda aval: len(aval.shape) == 2 and aval.shape[0] == hidden)
+  return [(aval.shape[1], inside) for aval, inside in found]
 
 
 def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
@@ -327,8 +294,8 @@ def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
   # Only these widths: XLA:GPU's dot merger also joins, per step, other dots of one input in this fp32 model
   # (the router's and the shared expert's: [64, 8 + 64]); BENCHMARKS.md notes it.
   hlo = _generate_jit.lower(*generate_args, **generate_kw).compile().as_text()
-  comps = _computations(hlo)
-  loop_comps = _reachable(comps, set(re.findall(r"body=%([\w.\-]+)", hlo)))
+  comps = hlo_computations(hlo)
+  loop_comps = loop_body_computations(hlo, comps)
   assert loop_comps, "no while loop found in the compiled generate program"
   for name, text in comps.items():
     for width in re.findall(rf"= f32\[{t.hidden_size},(\d+)\]\{{[^}}]*\}} concatenate\(", text):

@@ -14,6 +14,7 @@ from flax import nnx
 
 import m3jax
 from m3jax.config import M3Config, TextConfig
+from program_walk import concatenates, hlo_computations, loop_body_computations
 
 
 def _kernel_ready_config() -> M3Config:
@@ -42,22 +43,6 @@ def test_bf16_model_on_kernels_matches_the_reference_path(caplog):
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
 
 
-def _split_concats(jaxpr, shapes: set[tuple[int, ...]], in_loop: bool = False) -> list[tuple[tuple, bool]]:
-  """(shape, inside a while body?) of every bf16 concatenate whose output shape is in ``shapes``, nested jaxprs
-  (jit, pallas, shard_map, loops, branches) included."""
-  found = []
-  for eqn in jaxpr.eqns:
-    aval = eqn.outvars[0].aval if eqn.outvars else None
-    if eqn.primitive.name == "concatenate" and tuple(aval.shape) in shapes and aval.dtype == jnp.bfloat16:
-      found.append((tuple(aval.shape), in_loop))
-    for name, value in eqn.params.items():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          found += _split_concats(sub, shapes, in_loop or (eqn.primitive.name == "while" and name == "body_jaxpr"))
-  return found
-
-
 def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   """fp32 expert weights run the MoE kernels through a bf16 hi / lo split (3x K). A decode loop builds it once,
   before the loop (``decode_weights``), not per step: XLA:GPU left the per-call split in the compiled while body
@@ -80,29 +65,19 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
           jnp.asarray([2], jnp.int32), jnp.int32(0), None)
   kw = dict(max_new_tokens=3, sampling=SamplingParams(), cache_len=128)
-  found = _split_concats(_generate_jit.trace(*args, **kw).jaxpr.jaxpr, split)
+  found = [(tuple(aval.shape), inside) for aval, inside in concatenates(
+      _generate_jit.trace(*args, **kw).jaxpr.jaxpr, lambda aval: aval.dtype == jnp.bfloat16 and aval.shape in split)]
   assert [shape for shape, inside in found if inside] == [], "fp32 expert weights split inside the decode loop"
   # each of the four split once in the prefill's MoE call and once before the loop
   assert sorted(shape for shape, _ in found) == sorted(list(split) * 2), found
 
   # The compiled program keeps it there (on the GPU this is the check that matters).
   hlo = _generate_jit.lower(*args, **kw).compile().as_text()
-  comps = {}
-  for block in hlo.split("\n\n"):
-    name = block.strip().split("\n", 1)[0].removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
-    comps[name] = block
-  body = set(re.findall(r"body=%([\w.\-]+)", hlo))
-  assert body, "no while loop in the compiled generate program"
-  seen, todo = set(), list(body)
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    todo += re.findall(r"%([\w.\-]+)", " ".join(re.findall(
-        r"(?:calls|body|condition|to_apply|branch_computations)=(\{[^}]*\}|%[\w.\-]+)", comps[name])))
+  comps = hlo_computations(hlo)
+  loop_comps = loop_body_computations(hlo, comps)
+  assert loop_comps, "no while loop in the compiled generate program"
   pattern = "|".join(rf"bf16\[{','.join(map(str, shape))}\]" for shape in split)
-  in_body = [n for n in seen if re.search(rf"= (?:{pattern})\{{[^}}]*\}} concatenate\(", comps[n])]
+  in_body = [n for n in loop_comps if re.search(rf"= (?:{pattern})\{{[^}}]*\}} concatenate\(", comps[n])]
   assert not in_body, f"split expert weights concatenated in the loop body: {in_body}"
 
   # One decode step with and without the prepared operands, and on the reference path: the same logits to fp32

@@ -19,8 +19,6 @@ not be tested here; see README "Sharding".
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -42,10 +40,8 @@ def prepare_routed(plan: ShardingPlan, w_gate_up: jax.Array, w_down: jax.Array) 
   in ``moe_block``'s expert layout, for its ``prepared``. Only the routed experts: the shared expert runs as a
   dense MLP outside the kernels here."""
   spec = _expert_spec(plan)
-  gate_up, down = jax.shard_map(
-      lambda gu, d: tuple(dataclasses.astuple(prepare_expert_weights(jnp.float32, gu, d))[:2]), mesh=plan.mesh,
-      in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False)(w_gate_up, w_down)
-  return ExpertOperands(gate_up, down)
+  return jax.shard_map(lambda gu, d: prepare_expert_weights(jnp.float32, gu, d), mesh=plan.mesh,
+                       in_specs=(spec, spec), out_specs=ExpertOperands(spec, spec), check_vma=False)(w_gate_up, w_down)
 
 
 def moe_block(plan: ShardingPlan, x: jax.Array, router_w: jax.Array, correction_bias: jax.Array,

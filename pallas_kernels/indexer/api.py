@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._fp32_split import split_hi_lo
+from pallas_kernels._fp32_split import split3_lhs, split3_rhs
 from pallas_kernels.indexer.config import (
     ROWS_PER_TILE, SMEM_LIMIT_BYTES, IndexerBlockSizes, heuristic_block_sizes,
 )
@@ -52,9 +52,7 @@ def _check_inputs(idx_q, idx_k, q_positions, block_size, topk, local_blocks, ini
 
 def _split_fp32(q_rows, keys):
   """fp32 -> bf16 hi/lo stacked along Di so that one bf16 dot gives qh.kh + qh.kl + ql.kh."""
-  q_hi, q_lo = split_hi_lo(q_rows)  # integer rounding: XLA:GPU folds a float round trip's lo to 0
-  k_hi, k_lo = split_hi_lo(keys)
-  return jnp.concatenate([q_hi, q_hi, q_lo], -1), jnp.concatenate([k_hi, k_lo, k_hi], -1)
+  return split3_lhs(q_rows, axis=-1), split3_rhs(keys, axis=-1)
 
 
 def _row_metadata(q_positions, num_heads, num_rows, num_keys, num_blocks):

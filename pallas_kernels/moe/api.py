@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._fp32_split import split_hi_lo
+from pallas_kernels._fp32_split import split3_lhs, split3_rhs
 from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic_block_sizes
 from pallas_kernels.moe.dispatch import Dispatch, build_broadcast_dispatch, build_dispatch
 from pallas_kernels.moe.kernel_sm90 import grouped_matmul
@@ -31,10 +31,15 @@ from pallas_kernels.moe.routing import route
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _check_activation_dtype(op: str, dtype) -> None:
+  """NotImplementedError for activations other than bf16/f16/f32."""
+  if jnp.dtype(dtype) not in (*_NATIVE, jnp.dtype(jnp.float32)):
+    raise NotImplementedError(f"{op} supports bf16/f16/f32 activations, got {dtype}")
+
+
 def _check_dtypes(op: str, x: jax.Array, **weights: jax.Array) -> None:
   """NotImplementedError for activations other than bf16/f16/f32 and for quantized (integer / 8-bit) weights."""
-  if x.dtype not in (*_NATIVE, jnp.dtype(jnp.float32)):
-    raise NotImplementedError(f"{op} supports bf16/f16/f32 activations, got {x.dtype}")
+  _check_activation_dtype(op, x.dtype)
   for name, w in weights.items():
     if not jnp.issubdtype(w.dtype, jnp.floating) or w.dtype.itemsize < 2:
       raise NotImplementedError(f"{name} dtype {w.dtype} is not supported (quantized weights)")
@@ -70,18 +75,6 @@ def _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_u
                 shared_down=shared_down)
 
 
-def _split3_lhs(a: jax.Array) -> jax.Array:
-  """fp32 [M, K] -> bf16 [M, 3K] = [hi, hi, lo]."""
-  hi, lo = split_hi_lo(a)
-  return jnp.concatenate([hi, hi, lo], axis=-1)
-
-
-def _split3_rhs(w: jax.Array) -> jax.Array:
-  """fp32 [..., K, N] -> bf16 [..., 3K, N] = [hi; lo; hi] (pairs with _split3_lhs)."""
-  hi, lo = split_hi_lo(w)
-  return jnp.concatenate([hi, lo, hi], axis=-2)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertOperands:
@@ -103,7 +96,7 @@ def _k_factor(dtype) -> int:
 
 
 def _operand(w: jax.Array, dtype) -> jax.Array:
-  return _split3_rhs(w) if jnp.dtype(dtype) == jnp.float32 else w.astype(dtype)
+  return split3_rhs(w) if jnp.dtype(dtype) == jnp.float32 else w.astype(dtype)
 
 
 def prepare_expert_weights(dtype, w_gate_up: jax.Array, w_down: jax.Array, shared_gate_up: jax.Array | None = None,
@@ -116,8 +109,7 @@ def prepare_expert_weights(dtype, w_gate_up: jax.Array, w_down: jax.Array, share
     dtype: the activations' dtype (bf16 / f16 / f32), i.e. the kernels' compute dtype.
     w_gate_up [E, H, 2I], w_down [E, I, H]; optional shared_gate_up [H, 2Is], shared_down [Is, H].
   """
-  if jnp.dtype(dtype) not in (*_NATIVE, jnp.dtype(jnp.float32)):
-    raise NotImplementedError(f"prepare_expert_weights supports bf16/f16/f32 activations, got {dtype}")
+  _check_activation_dtype("prepare_expert_weights", dtype)
   _check_expert_weights(w_gate_up, w_down, w_gate_up.shape[1])
   if (shared_gate_up is None) != (shared_down is None):
     raise ValueError("prepare_expert_weights needs both shared_gate_up and shared_down, or neither")
@@ -199,7 +191,7 @@ class _Gemms:
     """lhs [M_pad, H] grouped by meta's tiles (or [block_m, H] read by every tile, broadcast_lhs)
     -> [M_pad, H] in dtype (rows of dead tiles unwritten). Weights: GEMM operands (``ExpertOperands``'
     arrays, K already split for fp32)."""
-    prep_lhs = _split3_lhs if self.dtype == jnp.float32 else (lambda a: a)
+    prep_lhs = split3_lhs if self.dtype == jnp.float32 else (lambda a: a)
     mm = functools.partial(grouped_matmul, num_sms=self.num_sms, interpret=self.interpret, alpha=self.alpha,
                            limit=self.limit)
     act = mm(meta, prep_lhs(lhs), wgu, sgu, n_parts=2, epilogue="swiglu", out_dtype=self.dtype,
