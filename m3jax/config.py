@@ -385,14 +385,15 @@ def m3_full() -> M3Config:
   return M3Config(text=text, vision=VisionConfig(), projector_hidden_size=6144)
 
 
-def tiny(*, block_size: int = 16, vision: bool = False) -> M3Config:
-  """A tiny M3 for tests and demos: every layer kind appears (full/sparse x dense/MoE)."""
+def tiny(*, block_size: int = 16, vision: bool = False, mtp: bool = False) -> M3Config:
+  """A tiny M3 for tests and demos: every layer kind appears (full/sparse x dense/MoE); ``mtp``: one MTP module."""
   text = TextConfig(
       vocab_size=512, hidden_size=64, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
       intermediate_size=32, dense_intermediate_size=96, shared_intermediate_size=32, num_experts=8,
       num_experts_per_tok=2, attention_types=("full", "sparse", "sparse", "full"),
       mlp_types=("dense", "moe", "dense", "moe"), index_num_heads=2, index_head_dim=32,
       index_block_size=block_size, index_topk_blocks=2, index_local_blocks=1, bos_token_id=1, eos_token_ids=(2,),
+      num_mtp_modules=1 if mtp else 0,
   )
   vis = VisionConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2) if vision else None
   return M3Config(text=text, vision=vis, image_token_id=500, video_token_id=501,

@@ -14,6 +14,7 @@ from m3jax import sharding
 from m3jax.cache import LayerCache
 from m3jax.config import M3Config
 from m3jax.layers.decoder import DecodeWeights, DecoderLayer
+from m3jax.layers.mtp import MTPLayer
 from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import rope_cos_sin
@@ -26,8 +27,8 @@ from m3jax.vision.encoder import VisionModel
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ForwardOutput:
-  """logits fp32 [B, S, V]; caches: one LayerCache per layer (or None); hidden: final-normed [B, S, H];
-  intermediates: one dict per layer when ``forward(collect=...)`` asked for any (see m3jax.research)."""
+  """logits fp32 [B, S, V]; caches: one LayerCache per layer (or None); hidden: final-normed [B, S, H] at every
+  token (also with ``logits_at``); intermediates: one dict per layer when ``forward(collect=...)`` asked for any (see m3jax.research)."""
 
   logits: jax.Array
   caches: tuple[LayerCache, ...] | None
@@ -46,10 +47,12 @@ class M3ForCausalLM(nnx.Module):
     rngs: initialiser RNGs (None: zero-initialised parameters, e.g. before loading a checkpoint).
     with_vision: also build the vision tower + projector (``self.vision``; needs ``config.vision``), enabling
       ``model(input_ids, pixel_values=..., image_grid_thw=..., ...)``. Off by default (text-only model).
+    with_mtp: also build the config's ``num_mtp_modules`` multi-token-prediction modules (``self.mtp``;
+      ``mtp_forward``), the draft heads of speculative decoding (m3jax.speculative). Off by default.
   """
 
   def __init__(self, config: M3Config, *, dtype: jnp.dtype = jnp.bfloat16, kernels: str | None = None,
-               rngs: nnx.Rngs | None = None, with_vision: bool = False):
+               rngs: nnx.Rngs | None = None, with_vision: bool = False, with_mtp: bool = False):
     cfg = config.text
     self.config = config
     self.dtype = jnp.dtype(dtype)
@@ -63,6 +66,11 @@ class M3ForCausalLM(nnx.Module):
     if with_vision and config.vision is None:
       raise ValueError("with_vision=True needs a config with a vision_config")
     self.vision = VisionModel(config, dtype=dtype, rngs=rngs) if with_vision else None
+    if with_mtp and cfg.num_mtp_modules < 1:
+      raise ValueError("with_mtp=True needs a config with num_mtp_modules >= 1 (config.json has "
+                       f"num_mtp_modules={cfg.num_mtp_modules})")
+    self.mtp = (nnx.List([MTPLayer(cfg, dtype=dtype, kernels=self.kernels, rngs=rngs)
+                          for _ in range(cfg.num_mtp_modules)]) if with_mtp else None)
     # Mesh + logical-axis rules (m3jax.sharding.ShardingPlan), set by m3jax.load(mesh=...) / shard_model.
     self.sharding_plan: sharding.ShardingPlan | None = None
 
@@ -79,6 +87,67 @@ class M3ForCausalLM(nnx.Module):
         LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim,
                          cfg.index_head_dim if kind == "sparse" else None, dtype or self.dtype)
         for kind in cfg.attention_types)
+
+  @sharding.uses_model_plan
+  def init_mtp_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
+    """Zeroed caches of the MTP modules (one sparse-layer cache each), laid out like ``init_caches``'."""
+    if self.mtp is None:
+      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
+    cfg = self.config.text
+    kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
+    return tuple(LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim, cfg.index_head_dim, dtype or self.dtype)
+                 for _ in self.mtp)
+
+  @sharding.uses_model_plan
+  def mtp_decode_weights(self) -> tuple[DecodeWeights, ...]:
+    """``decode_weights`` of the MTP modules' layers, for ``mtp_forward(decode_weights=...)`` in a loop."""
+    if self.mtp is None:
+      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
+    return tuple(m.layer.decode_weights() for m in self.mtp)
+
+  @sharding.uses_model_plan
+  def mtp_forward(self, next_ids: jax.Array, prev_hidden: jax.Array, *, positions: jax.Array,
+                  caches: tuple[LayerCache, ...] | None = None, step: int = 0, logits_at: jax.Array | None = None,
+                  decode_weights: Sequence[DecodeWeights] | None = None) -> ForwardOutput:
+    """One draft step of MTP module ``step % num_mtp_modules`` (M3_SPEC §8).
+
+    Args:
+      next_ids: int32 [B, S], the token x_{t+1} that follows each position t.
+      prev_hidden: [B, S, H], at the first draft step the target's final-normed hidden state h_t
+        (``forward(...).hidden``); at later steps the previous step's ``hidden``.
+      positions: int32 [B, S], the target positions t.
+      caches: the MTP modules' caches (``init_mtp_caches``); only module ``step % n`` is read and written.
+      step: the draft step (selects the module when there are several).
+      logits_at: optional int32 [B]: logits (and ``hidden``) at this index of each row only ([B, 1, ...]).
+      decode_weights: ``mtp_decode_weights()`` built once outside a loop.
+
+    Returns:
+      ForwardOutput: logits fp32 [B, S, V] (distribution of x_{t+2}); hidden [B, S, H] (the module's output
+      before its final norm, what a next draft step reads); caches with module ``step % n``'s updated.
+    """
+    if self.mtp is None:
+      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
+    _check_ids(next_ids, self.config.text.vocab_size)
+    b, s = next_ids.shape
+    if positions.shape != (b, s) or prev_hidden.shape[:2] != (b, s):
+      raise ValueError(f"next_ids {next_ids.shape}, positions {positions.shape} and prev_hidden "
+                       f"{prev_hidden.shape} must agree on [batch, seq]")
+    i = step % len(self.mtp)
+    module = self.mtp[i]
+    out, cache = module(self.embed_tokens(next_ids), prev_hidden, positions=positions,
+                        cache=None if caches is None else caches[i],
+                        prepared=None if decode_weights is None else decode_weights[i])
+    if logits_at is not None:
+      out = jnp.take_along_axis(out, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+    logits = self._lm_logits(module.final_norm(out))
+    new_caches = None if caches is None else tuple(cache if j == i else c for j, c in enumerate(caches))
+    return ForwardOutput(logits=logits, caches=new_caches, hidden=out)
+
+  def _lm_logits(self, hidden: jax.Array) -> jax.Array:
+    """Final-normed hidden [B, S, H] -> fp32 logits [B, S, V] through the (possibly tied) LM head."""
+    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    return sharding.constrain(project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32),
+                              (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
 
   def embed_tokens(self, input_ids: jax.Array) -> jax.Array:
     """input_ids int [B, S] -> embeddings [B, S, H] (plain lookup, no scaling)."""
@@ -145,11 +214,9 @@ class M3ForCausalLM(nnx.Module):
       new_caches.append(c)
       records.append(record)
     hidden = self.final_norm(h)
-    if logits_at is not None:
-      hidden = jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None], axis=1)
-    head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    logits = sharding.constrain(project("bsh,hv->bsv", hidden, head, out_dtype=jnp.float32),
-                                (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
+    at = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
+                                                              axis=1)
+    logits = self._lm_logits(at)
     return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden,
                          intermediates=None if collect is None else tuple(records))
 

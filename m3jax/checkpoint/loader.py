@@ -23,7 +23,7 @@ from flax import nnx
 from m3jax.checkpoint import converted
 from m3jax.checkpoint import sharding as sharding_lib
 from m3jax.checkpoint.fastops import apply_layout
-from m3jax.checkpoint.mapping import Layout, TensorRule, detect_layout, is_skipped, prefixes, text_rules
+from m3jax.checkpoint.mapping import Layout, TensorRule, detect_layout, is_skipped, mtp_rules, prefixes, text_rules
 from m3jax.checkpoint.quantized import QUANT_SUFFIXES
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.source import TensorSource
@@ -36,12 +36,18 @@ ParamPath = tuple[Any, ...]
 Checkpoint = SafetensorsDir | TensorSource
 
 
-def build_rules(cfg: M3Config, layout: Layout) -> list[TensorRule]:
+def build_rules(cfg: M3Config, layout: Layout, with_mtp: bool = False) -> list[TensorRule]:
   """Every model parameter's TensorRule for a ``layout`` checkpoint (the one place to add rules, e.g. vision).
 
-  The vision tower + projector are included when ``cfg`` has a vision config (``text_only`` loads drop it).
+  The vision tower + projector are included when ``cfg`` has a vision config (``text_only`` loads drop it), the
+  MTP modules when ``with_mtp`` (original layout only: HF drops them on load, so HF layouts have none).
   """
   rules = text_rules(cfg.text, layout)
+  if with_mtp:
+    if layout != "original":
+      raise CheckpointError(f"with_mtp: a {layout!r}-layout checkpoint carries no MTP weights (HF transformers "
+                            "drops them); use the original MiniMax checkpoint or one converted from it")
+    rules += mtp_rules(cfg.text)
   if cfg.vision is not None:
     try:
       rules += vision_rules(cfg, layout)
@@ -50,24 +56,26 @@ def build_rules(cfg: M3Config, layout: Layout) -> list[TensorRule]:
   return rules
 
 
-def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None) -> tuple[Layout, list[TensorRule]]:
+def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None, with_mtp: bool = False
+                   ) -> tuple[Layout, list[TensorRule]]:
   """Matches the checkpoint's tensors against the config; raises CheckpointError naming the first problem.
 
   Checks: every expected tensor present with the expected shape (and, for a TensorSource, a float dtype and the
   quantization its config announces), and no tensor left unexplained (vision and ``mtp.*`` tensors are skipped,
-  not errors). ``layout`` overrides auto-detection.
+  not errors, unless ``with_mtp`` asks for the MTP modules). ``layout`` overrides auto-detection.
   """
   if layout is None:
     try:
       layout = detect_layout(ckpt.keys())
     except ValueError as e:
       raise CheckpointError(f"{ckpt.path}: {e}") from None
-  rules = build_rules(cfg, layout)
+  rules = build_rules(cfg, layout, with_mtp)
   used: set[str] = set()
   for rule in rules:
     for name, shape in zip(rule.sources, rule.source_shapes):
       if name not in ckpt:
-        hint = "; load with text_only=True to skip the vision tower" if rule.path[0] == "vision" else ""
+        hint = {"vision": "; load with text_only=True to skip the vision tower",
+                "mtp": "; load without with_mtp to skip the MTP modules"}.get(rule.path[0], "")
         raise CheckpointError(f"{ckpt.path}: missing tensor {name!r} (expected shape {list(shape)}) for "
                               f"parameter {'/'.join(map(str, rule.path))}{hint}")
       if ckpt.shape(name) != shape:
@@ -101,11 +109,13 @@ def checkpoint_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
   return jnp.dtype(_DTYPES[st])
 
 
-def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None
+def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None, with_mtp: bool = False
                    ) -> tuple[nnx.GraphDef, list[tuple[ParamPath, Any]]]:
   """(graphdef, [(param path, abstract variable)]) of an M3ForCausalLM; nothing is allocated."""
+  if with_mtp and cfg.text.num_mtp_modules < 1:
+    raise CheckpointError("with_mtp: config.json has num_mtp_modules = 0, so there are no MTP modules to load")
   abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, kernels=kernels,
-                                                   with_vision=cfg.vision is not None))
+                                                   with_vision=cfg.vision is not None, with_mtp=with_mtp))
   graphdef, state = nnx.split(abstract)
   return graphdef, list(nnx.to_flat_state(state))
 
@@ -137,7 +147,8 @@ def place(value: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
 
 def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kernels: str | None = None,
          shardings: Any = None, mesh: jax.sharding.Mesh | None = None,
-         axis_rules: sharding_lib.AxisRules | None = None, text_only: bool = False) -> M3ForCausalLM:
+         axis_rules: sharding_lib.AxisRules | None = None, text_only: bool = False, with_mtp: bool = False
+         ) -> M3ForCausalLM:
   """Loads ``path`` into a ready-to-run model.
 
   Args:
@@ -151,13 +162,15 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
       each parameter's logical axis names.
     text_only: skip the vision tower + projector even when config.json has a vision_config (by default they are
       loaded into ``model.vision`` whenever it has one).
+    with_mtp: also load the MTP modules (``model.mtp``, the draft heads of m3jax.speculative) from an
+      original-layout checkpoint or one converted from it (by default their tensors are skipped).
 
   Returns:
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
   """
   path = os.fspath(path)
   if converted.is_converted(path):
-    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules, text_only)
+    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules, text_only, with_mtp)
   if converted.looks_partial(path):
     raise CheckpointError(f"{path}: has an Orbax '{converted.STATE}' directory but no {converted.MARKER}: an "
                           "incomplete conversion; run `m3jax convert` again")
@@ -165,9 +178,11 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(path)
-  layout, rules = plan_text_load(cfg, source)
+  if with_mtp and cfg.text.num_mtp_modules < 1:
+    raise CheckpointError(f"{path}/config.json: num_mtp_modules = 0, so with_mtp has no MTP modules to load")
+  layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp)
   dtype = checkpoint_dtype(source, layout) if dtype is None else jnp.dtype(dtype)
-  graphdef, flat = abstract_model(cfg, dtype, kernels)
+  graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
   by_path = {rule.path: rule for rule in rules}
@@ -188,15 +203,41 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   return model
 
 
-def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text_only: bool = False
-                    ) -> M3ForCausalLM:
+def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text_only: bool = False,
+                    with_mtp: bool = False) -> M3ForCausalLM:
   marker = converted.read_marker(path)
   cfg = M3Config.from_file(path)
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   dtype = jnp.dtype(marker["dtype"]) if dtype is None else jnp.dtype(dtype)
-  graphdef, flat = abstract_model(cfg, dtype, kernels)
+  graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
-  values = converted.restore_params(path, flat, placement, ignore=("vision",) if text_only else ())
+  model_flat = [(p, var) for p, var in flat if p[0] != "mtp"]
+  values = converted.restore_params(path, model_flat, placement, ignore=("vision",) if text_only else ())
+  if with_mtp:
+    values.update(_converted_mtp_params(path, marker, cfg, [(p, var) for p, var in flat if p[0] == "mtp"],
+                                        placement))
   return fill(graphdef, flat, lambda param_path, var: values.pop(param_path))
+
+
+def _converted_mtp_params(path: str, marker: dict[str, Any], cfg: M3Config, flat: Sequence[tuple[ParamPath, Any]],
+                          placement: Callable[[ParamPath], Any]) -> dict[ParamPath, jax.Array]:
+  """The MTP parameters from a converted checkpoint's raw 'mtp' subtree (tensors named relative to 'mtp.')."""
+  stored = converted.extra_names(marker, converted.MTP)
+  rules = {rule.path: rule for rule in mtp_rules(cfg.text, prefix="")}
+  missing = [name for rule in rules.values() for name in rule.sources if name not in stored]
+  if missing:
+    raise CheckpointError(f"{path}: with_mtp, but the converted checkpoint has no MTP tensor {missing[0]!r} "
+                          f"({len(missing)} missing; converted with --drop-mtp, or from a checkpoint without them?)")
+  raw = converted.read_extras(path, converted.MTP)
+  out = {}
+  for param_path, var in flat:
+    rule = rules[param_path]
+    for name, shape in zip(rule.sources, rule.source_shapes):
+      if raw[name].shape != shape:
+        raise CheckpointError(f"{path}: MTP tensor {name!r} has shape {list(raw[name].shape)}, expected "
+                              f"{list(shape)} from config.json")
+    value = np.asarray(apply_layout(rule.to_param, [raw[name] for name in rule.sources]))
+    out[param_path] = place(cast(value, var.dtype), placement(param_path))
+  return out

@@ -127,9 +127,7 @@ def text_rules(cfg: TextConfig, layout: Layout) -> list[TensorRule]:
   if layout not in LAYOUTS:
     raise ValueError(f"unknown checkpoint layout {layout!r}; expected one of {LAYOUTS}")
   pre, head_name = prefixes(layout)
-  h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  hi, di, e, i_w = cfg.index_num_heads, cfg.index_head_dim, cfg.num_experts, cfg.intermediate_size
-  original = layout == "original"
+  h = cfg.hidden_size
   rules = [
       _copy(("embed",), pre + "embed_tokens.weight", (cfg.vocab_size, h)),
       _copy(("final_norm", "weight"), pre + "norm.weight", (h,)),
@@ -137,59 +135,94 @@ def text_rules(cfg: TextConfig, layout: Layout) -> list[TensorRule]:
   if not cfg.tie_word_embeddings:
     rules.append(_linear(("lm_head",), head_name, (cfg.vocab_size, h), (h, cfg.vocab_size)))
   for n in range(cfg.num_layers):
-    lp, at = f"{pre}layers.{n}.", ("layers", n, "attn")
+    rules += decoder_layer_rules(cfg, layout, f"{pre}layers.{n}.", ("layers", n),
+                                 sparse=cfg.attention_types[n] == "sparse", moe=cfg.mlp_types[n] == "moe")
+  return rules
+
+
+def decoder_layer_rules(cfg: TextConfig, layout: Layout, lp: str, base: ParamPath, *, sparse: bool, moe: bool
+                        ) -> list[TensorRule]:
+  """The rules of one decoder layer whose checkpoint names start with ``lp`` ('...layers.3.') and whose parameters
+  live under ``base`` (('layers', 3)); ``sparse`` / ``moe`` select the attention and MLP kinds."""
+  h, nq, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  hi, di, e, i_w = cfg.index_num_heads, cfg.index_head_dim, cfg.num_experts, cfg.intermediate_size
+  original = layout == "original"
+  at = base + ("attn",)
+  rules = [
+      _copy(base + ("input_norm", "weight"), lp + "input_layernorm.weight", (h,)),
+      _copy(base + ("post_attention_norm", "weight"), lp + "post_attention_layernorm.weight", (h,)),
+      _linear(at + ("q_proj",), lp + "self_attn.q_proj.weight", (nq * d, h), (h, nq, d)),
+      _linear(at + ("k_proj",), lp + "self_attn.k_proj.weight", (nkv * d, h), (h, nkv, d)),
+      _linear(at + ("v_proj",), lp + "self_attn.v_proj.weight", (nkv * d, h), (h, nkv, d)),
+      _linear(at + ("o_proj",), lp + "self_attn.o_proj.weight", (h, nq * d), (nq, d, h)),
+      _copy(at + ("q_norm", "weight"), lp + "self_attn.q_norm.weight", (d,)),
+      _copy(at + ("k_norm", "weight"), lp + "self_attn.k_norm.weight", (d,)),
+  ]
+  if sparse:
+    ix = at + ("indexer",)
+    name = (lambda s: f"{lp}self_attn.index_{s}.weight") if original else (
+        lambda s: f"{lp}self_attn.indexer.{s}.weight")
     rules += [
-        _copy(("layers", n, "input_norm", "weight"), lp + "input_layernorm.weight", (h,)),
-        _copy(("layers", n, "post_attention_norm", "weight"), lp + "post_attention_layernorm.weight", (h,)),
-        _linear(at + ("q_proj",), lp + "self_attn.q_proj.weight", (nq * d, h), (h, nq, d)),
-        _linear(at + ("k_proj",), lp + "self_attn.k_proj.weight", (nkv * d, h), (h, nkv, d)),
-        _linear(at + ("v_proj",), lp + "self_attn.v_proj.weight", (nkv * d, h), (h, nkv, d)),
-        _linear(at + ("o_proj",), lp + "self_attn.o_proj.weight", (h, nq * d), (nq, d, h)),
-        _copy(at + ("q_norm", "weight"), lp + "self_attn.q_norm.weight", (d,)),
-        _copy(at + ("k_norm", "weight"), lp + "self_attn.k_norm.weight", (d,)),
+        _linear(ix + ("q_proj",), name("q_proj"), (hi * di, h), (h, hi, di)),
+        _linear(ix + ("k_proj",), name("k_proj"), (di, h), (h, di)),
+        _copy(ix + ("q_norm", "weight"), name("q_norm"), (di,)),
+        _copy(ix + ("k_norm", "weight"), name("k_norm"), (di,)),
     ]
-    if cfg.attention_types[n] == "sparse":
-      ix = at + ("indexer",)
-      name = (lambda s: f"{lp}self_attn.index_{s}.weight") if original else (
-          lambda s: f"{lp}self_attn.indexer.{s}.weight")
-      rules += [
-          _linear(ix + ("q_proj",), name("q_proj"), (hi * di, h), (h, hi, di)),
-          _linear(ix + ("k_proj",), name("k_proj"), (di, h), (h, di)),
-          _copy(ix + ("q_norm", "weight"), name("q_norm"), (di,)),
-          _copy(ix + ("k_norm", "weight"), name("k_norm"), (di,)),
-      ]
-    mp = ("layers", n, "mlp")
-    if cfg.mlp_types[n] == "dense":
-      f = cfg.dense_intermediate_size
-      if original:
-        rules.append(_gate_up(mp + ("gate_up",), lp + "mlp.gate_proj.weight", lp + "mlp.up_proj.weight", f, h))
-      else:
-        rules.append(_hf_gate_up(mp + ("gate_up",), lp + "mlp.gate_up_proj.weight", f, h))
-      rules.append(_linear(mp + ("down",), lp + "mlp.down_proj.weight", (h, f), (f, h)))
-      continue
-    s_w = cfg.shared_intermediate_size
+  mp = base + ("mlp",)
+  if not moe:
+    f = cfg.dense_intermediate_size
     if original:
-      moe = lp + "block_sparse_moe."
-      rules += [
-          _linear(mp + ("router",), moe + "gate.weight", (e, h), (h, e)),
-          _copy(mp + ("correction_bias",), moe + "e_score_correction_bias", (e,)),
-          _expert_gate_up(mp + ("w_gate_up",), [f"{moe}experts.{j}.w1.weight" for j in range(e)],
-                          [f"{moe}experts.{j}.w3.weight" for j in range(e)], i_w, h),
-          _expert_down(mp + ("w_down",), [f"{moe}experts.{j}.w2.weight" for j in range(e)], i_w, h),
-          _gate_up(mp + ("shared", "gate_up"), moe + "shared_experts.gate_proj.weight",
-                   moe + "shared_experts.up_proj.weight", s_w, h),
-          _linear(mp + ("shared", "down"), moe + "shared_experts.down_proj.weight", (h, s_w), (s_w, h)),
-      ]
+      rules.append(_gate_up(mp + ("gate_up",), lp + "mlp.gate_proj.weight", lp + "mlp.up_proj.weight", f, h))
     else:
-      moe = lp + "mlp."
-      rules += [
-          _linear(mp + ("router",), moe + "gate.weight", (e, h), (h, e)),
-          _copy(mp + ("correction_bias",), moe + "gate.e_score_correction_bias", (e,)),
-          _stacked_transpose(mp + ("w_gate_up",), moe + "experts.gate_up_proj", (e, 2 * i_w, h)),
-          _stacked_transpose(mp + ("w_down",), moe + "experts.down_proj", (e, h, i_w)),
-          _hf_gate_up(mp + ("shared", "gate_up"), moe + "shared_experts.gate_up_proj.weight", s_w, h),
-          _linear(mp + ("shared", "down"), moe + "shared_experts.down_proj.weight", (h, s_w), (s_w, h)),
-      ]
+      rules.append(_hf_gate_up(mp + ("gate_up",), lp + "mlp.gate_up_proj.weight", f, h))
+    rules.append(_linear(mp + ("down",), lp + "mlp.down_proj.weight", (h, f), (f, h)))
+    return rules
+  s_w = cfg.shared_intermediate_size
+  if original:
+    moe_pre = lp + "block_sparse_moe."
+    rules += [
+        _linear(mp + ("router",), moe_pre + "gate.weight", (e, h), (h, e)),
+        _copy(mp + ("correction_bias",), moe_pre + "e_score_correction_bias", (e,)),
+        _expert_gate_up(mp + ("w_gate_up",), [f"{moe_pre}experts.{j}.w1.weight" for j in range(e)],
+                        [f"{moe_pre}experts.{j}.w3.weight" for j in range(e)], i_w, h),
+        _expert_down(mp + ("w_down",), [f"{moe_pre}experts.{j}.w2.weight" for j in range(e)], i_w, h),
+        _gate_up(mp + ("shared", "gate_up"), moe_pre + "shared_experts.gate_proj.weight",
+                 moe_pre + "shared_experts.up_proj.weight", s_w, h),
+        _linear(mp + ("shared", "down"), moe_pre + "shared_experts.down_proj.weight", (h, s_w), (s_w, h)),
+    ]
+  else:
+    moe_pre = lp + "mlp."
+    rules += [
+        _linear(mp + ("router",), moe_pre + "gate.weight", (e, h), (h, e)),
+        _copy(mp + ("correction_bias",), moe_pre + "gate.e_score_correction_bias", (e,)),
+        _stacked_transpose(mp + ("w_gate_up",), moe_pre + "experts.gate_up_proj", (e, 2 * i_w, h)),
+        _stacked_transpose(mp + ("w_down",), moe_pre + "experts.down_proj", (e, h, i_w)),
+        _hf_gate_up(mp + ("shared", "gate_up"), moe_pre + "shared_experts.gate_up_proj.weight", s_w, h),
+        _linear(mp + ("shared", "down"), moe_pre + "shared_experts.down_proj.weight", (h, s_w), (s_w, h)),
+    ]
+  return rules
+
+
+# The MTP modules' tensors in an original-layout checkpoint (M3_SPEC §5.1, §8), and relative to 'mtp.' in the
+# 'mtp' subtree of a converted checkpoint.
+MTP_PREFIX = "language_model.model.mtp."
+
+
+def mtp_rules(cfg: TextConfig, prefix: str = MTP_PREFIX) -> list[TensorRule]:
+  """The rules of the ``num_mtp_modules`` MTP modules (parameters under ('mtp', i)), with checkpoint names
+  ``{prefix}layers.{i}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` and ``{prefix}layers.{i}.transformer_layer.*``
+  (a sparse + MoE layer, original sub-names). Only original-layout checkpoints carry them (HF drops them on load)."""
+  h = cfg.hidden_size
+  rules: list[TensorRule] = []
+  for i in range(cfg.num_mtp_modules):
+    lp, base = f"{prefix}layers.{i}.", ("mtp", i)
+    rules += [
+        _copy(base + ("enorm", "weight"), lp + "enorm.weight", (h,)),
+        _copy(base + ("hnorm", "weight"), lp + "hnorm.weight", (h,)),
+        _linear(base + ("eh_proj",), lp + "eh_proj.weight", (h, 2 * h), (2 * h, h)),
+        _copy(base + ("final_norm", "weight"), lp + "final_layernorm.weight", (h,)),
+    ]
+    rules += decoder_layer_rules(cfg, "original", lp + "transformer_layer.", base + ("layer",), sparse=True, moe=True)
   return rules
 
 

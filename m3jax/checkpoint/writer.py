@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from m3jax.checkpoint.mapping import Layout, text_rules
+from m3jax.checkpoint.mapping import Layout, mtp_rules, text_rules
 from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.checkpoint.safetensors_dir import INDEX_NAME
 from m3jax.model import M3ForCausalLM
@@ -18,12 +18,16 @@ from m3jax.model import M3ForCausalLM
 
 def model_tensors(model: M3ForCausalLM, layout: Layout = "original") -> dict[str, np.ndarray]:
   """Checkpoint tensor name -> numpy array for every parameter of ``model`` (text backbone, plus the vision
-  tower + projector when ``model.vision`` is built)."""
+  tower + projector when ``model.vision`` is built, and the MTP modules when ``model.mtp`` is: original layout)."""
   params = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out: dict[str, np.ndarray] = {}
   rules = text_rules(model.config.text, layout)
   if getattr(model, "vision", None) is not None:
     rules += vision_rules(model.config, layout)
+  if getattr(model, "mtp", None) is not None:
+    if layout != "original":
+      raise ValueError(f"MTP modules are only written in the original layout, not {layout!r} (HF has no MTP names)")
+    rules += mtp_rules(model.config.text)
   for rule in rules:
     arrays = rule.from_param(params[rule.path])
     for name, arr, shape in zip(rule.sources, arrays, rule.source_shapes):

@@ -38,15 +38,19 @@ class DecodeWeights:
 
 
 class DecoderLayer(nnx.Module):
-  """Layer ``index`` of the text backbone; its attention and MLP kinds come from the config's layouts."""
+  """Layer ``index`` of the text backbone; its attention and MLP kinds come from the config's layouts, unless
+  ``attention_type`` ('full' | 'sparse') / ``mlp_type`` ('dense' | 'moe') force them (the MTP block is a
+  sparse + MoE layer whatever the layouts say; M3_SPEC §8)."""
 
   def __init__(self, cfg: TextConfig, index: int, *, dtype: jnp.dtype, kernels: KernelChoice,
-               rngs: nnx.Rngs | None):
+               rngs: nnx.Rngs | None, attention_type: str | None = None, mlp_type: str | None = None):
+    attention_type = attention_type or cfg.attention_types[index]
+    mlp_type = mlp_type or cfg.mlp_types[index]
     self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
     self.post_attention_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-    self.attn = Attention(cfg, sparse=cfg.attention_types[index] == "sparse", dtype=dtype, kernels=kernels,
+    self.attn = Attention(cfg, sparse=attention_type == "sparse", dtype=dtype, kernels=kernels,
                           rngs=rngs)
-    if cfg.mlp_types[index] == "moe":
+    if mlp_type == "moe":
       self.mlp = MoE(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha,

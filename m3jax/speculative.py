@@ -1,0 +1,222 @@
+"""Speculative decoding with M3's MTP modules (M3_SPEC §8), the whole loop in one jit-compiled program.
+
+Each round, for every sequence whose next token x_p is known but not yet run through the target:
+  1. draft: the MTP module proposes d_1 (from x_p and the target's hidden state at p - 1), then d_2 .. d_k, each
+     step reading the previous step's output as its hidden state;
+  2. verify: one target forward over [x_p, d_1, .., d_k] at positions p .. p + k;
+  3. accept the longest prefix of drafts the target agrees with (n of them), plus one token of the target's own
+     (the correction after a rejection, or the bonus token after k acceptances): n + 1 new tokens;
+  4. catch up: the MTP runs over the k + 1 verified positions with the target's hidden states, rewriting its cache
+     there (its draft steps wrote entries from its own hidden states), and its output at the last accepted
+     position gives the next round's d_1.
+
+Greedy (temperature 0): a draft is accepted when it equals the target's argmax, so the tokens are exactly
+``generate``'s greedy tokens (up to fp ties between a k + 1-token forward and one-token steps). Sampling:
+speculative sampling (Leviathan et al. 2023; Chen et al. 2023): d_i, drawn from the draft distribution q, is kept
+with probability min(1, p(d_i) / q(d_i)) under the target distribution p (both after temperature / top-k /
+top-p), and the first rejected position is redrawn from max(p - q, 0), renormalised; the tokens are then
+distributed as the target's own sampling, though not token-equal to ``generate``'s for the same seed.
+
+Positions > p + n written by a round (rejected drafts) are overwritten by the next round before any query can
+see them: each forward writes its positions into the caches before attending, and the next round's k + 1
+positions start at p + n + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from m3jax import sharding
+from m3jax.generate import _put_fn, _validate, pad_prompts
+from m3jax.model import M3ForCausalLM
+from m3jax.sampling import SamplingParams, filtered_logits, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput:
+  """tokens int32 [B, max_new_tokens] and lengths int32 [B] as in ``GenerateOutput``; for each verification
+  round r of the R the loop ran, ``drafts`` int32 [B, R, k] (the tokens the MTP proposed) and ``accepted_drafts``
+  int32 [B, R] (how many of them the target kept); both -1 where a sequence had already finished."""
+
+  tokens: np.ndarray
+  lengths: np.ndarray
+  drafts: np.ndarray
+  accepted_drafts: np.ndarray
+
+  @property
+  def rounds(self) -> np.ndarray:
+    """int32 [B]: the verification rounds each sequence took part in."""
+    return np.sum(self.accepted_drafts >= 0, axis=1).astype(np.int32)
+
+  @property
+  def accepted(self) -> np.ndarray:
+    """int32 [B]: the drafts each sequence accepted over all its rounds."""
+    return np.sum(np.maximum(self.accepted_drafts, 0), axis=1).astype(np.int32)
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted drafts / proposed drafts over every sequence and round."""
+    proposed = int(self.rounds.sum()) * self.drafts.shape[2]
+    return float(self.accepted.sum()) / proposed if proposed else 0.0
+
+  @property
+  def tokens_per_round(self) -> float:
+    """New tokens per target forward, the prefill's first token left out (1 without speculation; at most k + 1)."""
+    rounds = int(self.rounds.sum())
+    return float(np.sum(self.lengths - 1)) / rounds if rounds else 0.0
+
+
+def _accept(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array, key: jax.Array,
+            sampling: SamplingParams) -> tuple[jax.Array, jax.Array]:
+  """target_logits fp32 [B, k+1, V] at x_p, d_1 .. d_k; drafts int32 [B, k]; draft_logits fp32 [B, k, V] ->
+  (n int32 [B]: drafts accepted, emitted int32 [B, k+1]: d_1 .. d_n then the target's token at index n; entries
+  past n are the target's argmax, meaningful only up to n)."""
+  k = drafts.shape[1]
+  idx = jnp.arange(k + 1)
+  if sampling.greedy:
+    target = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    n = jnp.sum(jnp.cumprod(target[:, :k] == drafts, axis=1), axis=1).astype(jnp.int32)
+    return n, target
+  p = jax.nn.softmax(filtered_logits(target_logits, sampling), axis=-1)  # [B, k+1, V]
+  q = jax.nn.softmax(filtered_logits(draft_logits, sampling), axis=-1)  # [B, k, V]
+  p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+  q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+  key_u, key_r = jax.random.split(key)
+  keep = jax.random.uniform(key_u, drafts.shape) * q_d < p_d  # probability min(1, p/q); q(d) > 0: d was drawn
+  n = jnp.sum(jnp.cumprod(keep, axis=1), axis=1).astype(jnp.int32)
+  p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+  q_n = jnp.where((n < k)[:, None], jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0], 0.0)
+  residual = jnp.maximum(p_n - q_n, 0.0)
+  # p == q on the whole support leaves nothing (a rejection then has probability 0): fall back to p.
+  residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+  fix = jax.random.categorical(key_r, jnp.log(residual), axis=-1).astype(jnp.int32)
+  padded = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+  emitted = jnp.where(idx[None] < n[:, None], padded, fix[:, None])
+  return n, emitted
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len"))
+def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, max_new_tokens: int,
+                     num_draft: int, sampling: SamplingParams, cache_len: int):
+  model = nnx.merge(graphdef, state)
+  b, s = prompt.shape
+  k = num_draft
+  rows = jnp.arange(b)
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  out = model.forward(prompt, positions=positions, caches=model.init_caches(b, cache_len), logits_at=lengths - 1)
+  key, sub = jax.random.split(key)
+  first = sample(out.logits[:, 0], sub, sampling)
+  # MTP prefill: position t reads x_{t+1} (the prompt shifted left, then the first new token) and h_t.
+  next_ids = jnp.concatenate([prompt[:, 1:], jnp.zeros_like(prompt[:, :1])], axis=1).at[rows, lengths - 1].set(first)
+  mtp = model.mtp_forward(next_ids, out.hidden, positions=positions, caches=model.init_mtp_caches(b, cache_len),
+                          logits_at=lengths - 1)
+  prepared, mtp_prepared = model.decode_weights(), model.mtp_decode_weights()
+
+  def cond(carry):
+    return ~jnp.all(carry["done"])
+
+  def body(c):
+    key, sub = jax.random.split(c["key"])
+    drafts, draft_logits = [sample(c["draft_logits"], sub, sampling)], [c["draft_logits"]]
+    hidden, mtp_caches = c["mtp_hidden"], c["mtp_caches"]
+    for j in range(1, k):  # draft steps 2 .. k at positions p .. p + k - 2
+      key, sub = jax.random.split(key)
+      step = model.mtp_forward(drafts[-1][:, None], hidden[:, None], positions=(c["p"] + j - 1)[:, None],
+                               caches=mtp_caches, step=j, decode_weights=mtp_prepared)
+      mtp_caches, hidden = step.caches, step.hidden[:, 0]
+      draft_logits.append(step.logits[:, 0])
+      drafts.append(sample(step.logits[:, 0], sub, sampling))
+    drafts = jnp.stack(drafts, axis=1)
+    verify_pos = c["p"][:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    verify = model.forward(jnp.concatenate([c["x_p"][:, None], drafts], axis=1), positions=verify_pos,
+                           caches=c["caches"], decode_weights=prepared)
+    key, sub = jax.random.split(key)
+    n, emitted = _accept(verify.logits, drafts, jnp.stack(draft_logits, axis=1), sub, sampling)
+    # New tokens: emitted[:, :n + 1], cut after a stop token and at max_new_tokens; none for finished rows.
+    idx = jnp.arange(k + 1)
+    live = idx[None] <= n[:, None]
+    stops = live & jnp.isin(emitted, eos_ids)
+    count = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, n + 1)
+    count = jnp.where(c["done"], 0, jnp.minimum(count, max_new_tokens - c["produced"]))
+    slots = jnp.where(idx[None] < count[:, None], c["produced"][:, None] + idx[None], max_new_tokens + k + 1)
+    tokens = c["tokens"].at[rows[:, None], slots].set(emitted, mode="drop")
+    produced = c["produced"] + count
+    active = ~c["done"]
+    done = c["done"] | jnp.any(stops & (idx[None] < count[:, None]), axis=1) | (produced >= max_new_tokens)
+    # Catch-up: the MTP over the verified positions with the target's hidden states; its output at the last
+    # accepted position (p + n, reading x_{p+n+1} = emitted[n]) drafts the next round's d_1.
+    catch = model.mtp_forward(emitted, verify.hidden, positions=verify_pos, caches=mtp_caches, logits_at=n,
+                              decode_weights=mtp_prepared)
+    x_next = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
+    r = c["round"]
+    return dict(key=key, tokens=tokens, produced=produced, done=done, caches=verify.caches,
+                mtp_caches=catch.caches, draft_logits=catch.logits[:, 0], mtp_hidden=catch.hidden[:, 0],
+                p=jnp.where(active, c["p"] + n + 1, c["p"]), x_p=jnp.where(active, x_next, c["x_p"]), round=r + 1,
+                drafts=c["drafts"].at[:, r].set(jnp.where(active[:, None], drafts, -1)),
+                accepted=c["accepted"].at[:, r].set(jnp.where(active, n, -1)))
+
+  # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 rounds follow the prefill.
+  max_rounds = max(max_new_tokens - 1, 1)
+  init = dict(key=key, tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+              produced=jnp.ones((b,), jnp.int32), done=jnp.isin(first, eos_ids) | (max_new_tokens <= 1),
+              caches=out.caches, mtp_caches=mtp.caches, draft_logits=mtp.logits[:, 0], mtp_hidden=mtp.hidden[:, 0],
+              p=lengths, x_p=first, round=jnp.int32(0), drafts=jnp.full((b, max_rounds, k), -1, jnp.int32),
+              accepted=jnp.full((b, max_rounds), -1, jnp.int32))
+  final = jax.lax.while_loop(cond, body, init)
+  plan = model.sharding_plan
+  return tuple(sharding.replicated(final[name], plan)
+               for name in ("tokens", "produced", "round", "drafts", "accepted"))
+
+
+def generate_speculative(
+    model: M3ForCausalLM,
+    prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int = 1,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    pad_token_id: int = 0,
+    max_length: int | None = None,
+) -> SpeculativeOutput:
+  """``generate`` with MTP speculative decoding: each round drafts ``num_draft_tokens`` tokens with the model's
+  MTP module and verifies them in one target forward (one jit-compiled program, like ``generate``).
+
+  The model needs its MTP modules (``m3jax.load(path, with_mtp=True)``). Greedy decoding gives ``generate``'s
+  tokens; sampling gives the same distribution (module docstring). The cache holds num_draft_tokens more slots
+  than ``generate``'s (the verification window). Arguments are as in ``generate``.
+
+  Returns:
+    SpeculativeOutput (tokens, lengths, and every round's drafts and acceptance counts).
+  """
+  if model.mtp is None:
+    raise ValueError("speculative decoding needs the model's MTP modules: load it with with_mtp=True")
+  if num_draft_tokens < 1:
+    raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+  sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  padded, lengths = pad_prompts(prompt_ids, pad_token_id)
+  try:
+    cache_len = _validate(model, lengths, padded, max_new_tokens + num_draft_tokens, max_length)
+  except ValueError as e:
+    raise ValueError(f"{e} (max_new_tokens counted with the {num_draft_tokens} draft slots of the last "
+                     "verification)") from None
+  eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+  graphdef, state = nnx.split(model)
+  put = _put_fn(model)
+  tokens, produced, rounds, drafts, accepted = _speculative_jit(
+      graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)),
+      put(jnp.asarray(list(eos) or [-1], jnp.int32)), put(np.int32(pad_token_id)), max_new_tokens=max_new_tokens,
+      num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
+  r = int(rounds)
+  return SpeculativeOutput(tokens=np.asarray(tokens), lengths=np.asarray(produced), drafts=np.asarray(drafts)[:, :r],
+                           accepted_drafts=np.asarray(accepted)[:, :r])
