@@ -36,19 +36,19 @@ def train_demo_tokenizer(vocab_size: int = 384) -> Tokenizer:
 
 
 def build_demo_checkpoint(out_dir: str | os.PathLike, *, seed: int = 0) -> str:
-  """Writes config.json, safetensors (original layout, text + a tiny vision tower), tokenizer and generation
-  files to ``out_dir``."""
+  """Writes config.json, safetensors (original layout, text + a tiny vision tower + one MTP module), tokenizer and
+  generation files to ``out_dir``."""
   out_dir = os.fspath(out_dir)
   tok = train_demo_tokenizer()
   base = m3config.tiny(block_size=16)
   eos, bos = tok.token_to_id("<eos>"), tok.token_to_id("<bos>")
   text = base.text.__class__(**{**base.text.__dict__, "vocab_size": tok.get_vocab_size(), "bos_token_id": bos,
-                                "eos_token_ids": (eos,)})
+                                "eos_token_ids": (eos,), "num_mtp_modules": 1})
   with_vision = m3config.tiny(block_size=16, vision=True)
   cfg = m3config.M3Config(text=text, vision=with_vision.vision, projector_hidden_size=text.hidden_size,
                           image_token_id=tok.token_to_id(VISION_TOKENS[0]),
                           video_token_id=tok.token_to_id(VISION_TOKENS[1]))
-  model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed), with_vision=True)
+  model = M3ForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(seed), with_vision=True, with_mtp=True)
   write_checkpoint(model, out_dir, layout="original")
   tok.save(os.path.join(out_dir, "tokenizer.json"))
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:

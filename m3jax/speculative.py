@@ -102,6 +102,54 @@ def _accept(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array
   return n, emitted
 
 
+def speculative_round(model: M3ForCausalLM, c: dict[str, jax.Array], prepared, mtp_prepared, eos_ids: jax.Array, *,
+                      num_draft: int, sampling: SamplingParams, max_new_tokens: int) -> dict[str, jax.Array]:
+  """One round (draft, verify, accept, catch up) of ``generate_speculative``'s loop on its carry ``c``: key, tokens
+  [B, max_new_tokens], produced [B], done [B], caches, mtp_caches, draft_logits [B, V] and mtp_hidden [B, H] (the
+  MTP output that gives d_1), p [B] (position of x_p), x_p [B], round, drafts [B, R, k], accepted [B, R].
+  ``prepared`` / ``mtp_prepared``: ``decode_weights()`` / ``mtp_decode_weights()``."""
+  k = num_draft
+  rows = jnp.arange(c["p"].shape[0])
+  key, sub = jax.random.split(c["key"])
+  drafts, draft_logits = [sample(c["draft_logits"], sub, sampling)], [c["draft_logits"]]
+  hidden, mtp_caches = c["mtp_hidden"], c["mtp_caches"]
+  for j in range(1, k):  # draft steps 2 .. k at positions p .. p + k - 2
+    key, sub = jax.random.split(key)
+    step = model.mtp_forward(drafts[-1][:, None], hidden[:, None], positions=(c["p"] + j - 1)[:, None],
+                             caches=mtp_caches, step=j, decode_weights=mtp_prepared)
+    mtp_caches, hidden = step.caches, step.hidden[:, 0]
+    draft_logits.append(step.logits[:, 0])
+    drafts.append(sample(step.logits[:, 0], sub, sampling))
+  drafts = jnp.stack(drafts, axis=1)
+  verify_pos = c["p"][:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+  verify = model.forward(jnp.concatenate([c["x_p"][:, None], drafts], axis=1), positions=verify_pos,
+                         caches=c["caches"], decode_weights=prepared)
+  key, sub = jax.random.split(key)
+  n, emitted = _accept(verify.logits, drafts, jnp.stack(draft_logits, axis=1), sub, sampling)
+  # New tokens: emitted[:, :n + 1], cut after a stop token and at max_new_tokens; none for finished rows.
+  idx = jnp.arange(k + 1)
+  live = idx[None] <= n[:, None]
+  stops = live & jnp.isin(emitted, eos_ids)
+  count = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, n + 1)
+  count = jnp.where(c["done"], 0, jnp.minimum(count, max_new_tokens - c["produced"]))
+  slots = jnp.where(idx[None] < count[:, None], c["produced"][:, None] + idx[None], max_new_tokens + k + 1)
+  tokens = c["tokens"].at[rows[:, None], slots].set(emitted, mode="drop")
+  produced = c["produced"] + count
+  active = ~c["done"]
+  done = c["done"] | jnp.any(stops & (idx[None] < count[:, None]), axis=1) | (produced >= max_new_tokens)
+  # Catch-up: the MTP over the verified positions with the target's hidden states; its output at the last
+  # accepted position (p + n, reading x_{p+n+1} = emitted[n]) drafts the next round's d_1.
+  catch = model.mtp_forward(emitted, verify.hidden, positions=verify_pos, caches=mtp_caches, logits_at=n,
+                            decode_weights=mtp_prepared)
+  x_next = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
+  r = c["round"]
+  return dict(key=key, tokens=tokens, produced=produced, done=done, caches=verify.caches,
+              mtp_caches=catch.caches, draft_logits=catch.logits[:, 0], mtp_hidden=catch.hidden[:, 0],
+              p=jnp.where(active, c["p"] + n + 1, c["p"]), x_p=jnp.where(active, x_next, c["x_p"]), round=r + 1,
+              drafts=c["drafts"].at[:, r].set(jnp.where(active[:, None], drafts, -1)),
+              accepted=c["accepted"].at[:, r].set(jnp.where(active, n, -1)))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len"))
 def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, max_new_tokens: int,
                      num_draft: int, sampling: SamplingParams, cache_len: int):
@@ -122,45 +170,9 @@ def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, 
   def cond(carry):
     return ~jnp.all(carry["done"])
 
-  def body(c):
-    key, sub = jax.random.split(c["key"])
-    drafts, draft_logits = [sample(c["draft_logits"], sub, sampling)], [c["draft_logits"]]
-    hidden, mtp_caches = c["mtp_hidden"], c["mtp_caches"]
-    for j in range(1, k):  # draft steps 2 .. k at positions p .. p + k - 2
-      key, sub = jax.random.split(key)
-      step = model.mtp_forward(drafts[-1][:, None], hidden[:, None], positions=(c["p"] + j - 1)[:, None],
-                               caches=mtp_caches, step=j, decode_weights=mtp_prepared)
-      mtp_caches, hidden = step.caches, step.hidden[:, 0]
-      draft_logits.append(step.logits[:, 0])
-      drafts.append(sample(step.logits[:, 0], sub, sampling))
-    drafts = jnp.stack(drafts, axis=1)
-    verify_pos = c["p"][:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    verify = model.forward(jnp.concatenate([c["x_p"][:, None], drafts], axis=1), positions=verify_pos,
-                           caches=c["caches"], decode_weights=prepared)
-    key, sub = jax.random.split(key)
-    n, emitted = _accept(verify.logits, drafts, jnp.stack(draft_logits, axis=1), sub, sampling)
-    # New tokens: emitted[:, :n + 1], cut after a stop token and at max_new_tokens; none for finished rows.
-    idx = jnp.arange(k + 1)
-    live = idx[None] <= n[:, None]
-    stops = live & jnp.isin(emitted, eos_ids)
-    count = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, n + 1)
-    count = jnp.where(c["done"], 0, jnp.minimum(count, max_new_tokens - c["produced"]))
-    slots = jnp.where(idx[None] < count[:, None], c["produced"][:, None] + idx[None], max_new_tokens + k + 1)
-    tokens = c["tokens"].at[rows[:, None], slots].set(emitted, mode="drop")
-    produced = c["produced"] + count
-    active = ~c["done"]
-    done = c["done"] | jnp.any(stops & (idx[None] < count[:, None]), axis=1) | (produced >= max_new_tokens)
-    # Catch-up: the MTP over the verified positions with the target's hidden states; its output at the last
-    # accepted position (p + n, reading x_{p+n+1} = emitted[n]) drafts the next round's d_1.
-    catch = model.mtp_forward(emitted, verify.hidden, positions=verify_pos, caches=mtp_caches, logits_at=n,
-                              decode_weights=mtp_prepared)
-    x_next = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
-    r = c["round"]
-    return dict(key=key, tokens=tokens, produced=produced, done=done, caches=verify.caches,
-                mtp_caches=catch.caches, draft_logits=catch.logits[:, 0], mtp_hidden=catch.hidden[:, 0],
-                p=jnp.where(active, c["p"] + n + 1, c["p"]), x_p=jnp.where(active, x_next, c["x_p"]), round=r + 1,
-                drafts=c["drafts"].at[:, r].set(jnp.where(active[:, None], drafts, -1)),
-                accepted=c["accepted"].at[:, r].set(jnp.where(active, n, -1)))
+  def body(carry):
+    return speculative_round(model, carry, prepared, mtp_prepared, eos_ids, num_draft=k, sampling=sampling,
+                             max_new_tokens=max_new_tokens)
 
   # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 rounds follow the prefill.
   max_rounds = max(max_new_tokens - 1, 1)

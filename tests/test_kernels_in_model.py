@@ -90,3 +90,43 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   want = step(reference, None)
   for got in (step(model, prepared), step(model, None)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_speculative_decoding_on_kernels():
+  """MTP speculative decoding with every op on its kernel. The verification forward runs k + 1 new tokens per
+  sequence against the caches (the decode indexer / attention kernels' few-token path): its logits must match
+  one-token steps. The tokens of ``generate_speculative`` must be greedy under the target: each one the argmax of
+  the full forward's logits, up to bf16 near-ties (a k + 1-token forward and one-token steps round differently,
+  so an exact tie-break cannot be asked of bf16 kernels)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from m3jax.speculative import generate_speculative  # pylint: disable=g-import-not-at-top
+
+  base = _kernel_ready_config()
+  cfg = dataclasses.replace(base, text=dataclasses.replace(base.text, num_mtp_modules=1))
+  model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0), with_mtp=True)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, 256, 300).tolist(), rng.integers(0, 256, 130).tolist()]  # > top-k x 128; ragged
+
+  # Few-token decode against one-token steps, from the same prefilled cache.
+  prompt = prompts[0] + rng.integers(0, 256, 4).tolist()
+  ids, n = jnp.asarray([prompt], jnp.int32), len(prompts[0])
+  pos = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+  forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))
+  prefilled = forward(ids[:, :n], pos[:, :n], model.init_caches(1, 512)).caches
+  steps, caches = [], prefilled
+  for i in range(n, n + 4):
+    out = forward(ids[:, i:i + 1], pos[:, i:i + 1], caches)
+    steps.append(np.asarray(out.logits[0, 0]))
+    caches = out.caches
+  together = np.asarray(forward(ids[:, n:], pos[:, n:], prefilled).logits[0])
+  scale = np.abs(np.stack(steps)).max()
+  assert np.abs(together - np.stack(steps)).max() / scale < 2e-2
+
+  out = generate_speculative(model, prompts, max_new_tokens=6, num_draft_tokens=2, eos_token_ids=())
+  assert out.drafts.shape[2] == 2 and out.rounds.min() >= 2
+  for row, p in enumerate(prompts):
+    seq = p + out.tokens[row].tolist()
+    logits = np.asarray(forward(jnp.asarray([seq], jnp.int32), jnp.arange(len(seq), dtype=jnp.int32)[None],
+                                model.init_caches(1, 512)).logits[0, len(p) - 1:-1])
+    chosen = logits[np.arange(6), out.tokens[row]]
+    assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (row, logits.max(-1) - chosen)
