@@ -9,6 +9,7 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py cuda_lowering MESH ...            Mosaic GPU kernels per lowered step
   python tests/sharding_worker.py fused_projection MESH[+sp] ...    fused q/k/v GEMM vs one GEMM per weight
   python tests/sharding_worker.py prepared_experts MESH ...         fp32 experts' kernel operands per device
+  python tests/sharding_worker.py speculative MESH[+sp] ...         MTP speculative decoding vs one device
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP).
 Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
@@ -282,11 +283,42 @@ def prepared_experts(*mesh_args: str) -> dict:
   return out
 
 
+def speculative(*mesh_args: str) -> dict:
+  """The MTP module loaded sharded (with_mtp) and ``generate_speculative`` under each plan: tokens, drafts and
+  acceptance counts against one device, with a drafter whose drafts are partly accepted (test_speculative)."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import m3jax  # pylint: disable=g-import-not-at-top
+  from m3jax.checkpoint.writer import write_checkpoint  # pylint: disable=g-import-not-at-top
+  from m3jax.speculative import generate_speculative  # pylint: disable=g-import-not-at-top
+  from test_speculative import PROMPTS, _drafting_model  # pylint: disable=g-import-not-at-top
+
+  path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+  write_checkpoint(_drafting_model(0.1, mtp_layer_scale=0.5), path)
+  prompts = PROMPTS + PROMPTS[:1]  # 4 rows: a batch that splits over data x expert
+
+  def run(model):
+    return generate_speculative(model, prompts, max_new_tokens=16, num_draft_tokens=2, eos_token_ids=())
+
+  want = run(m3jax.load(path, kernels="reference", with_mtp=True))
+  out = {"acceptance": want.acceptance_rate}
+  for arg in mesh_args:
+    mesh, rules = _mesh_and_rules(arg)
+    model = m3jax.load(path, kernels="reference", with_mtp=True, mesh=mesh, axis_rules=rules)
+    got = run(model)
+    out[arg] = {"tokens_equal": bool(np.array_equal(got.tokens, want.tokens)),
+                "drafts_equal": bool(np.array_equal(got.drafts, want.drafts)
+                                     and np.array_equal(got.accepted_drafts, want.accepted_drafts)),
+                "eh_proj_spec": str(model.mtp[0].eh_proj[...].sharding.spec),
+                "mtp_q_proj_spec": str(model.mtp[0].layer.attn.q_proj[...].sharding.spec)}
+  return out
+
+
 def main(argv: list[str]) -> None:
   commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
               "vision": vision,
               "pallas_on_cpu_mesh": pallas_on_cpu_mesh, "cuda_lowering": cuda_lowering,
-              "fused_projection": fused_projection, "prepared_experts": prepared_experts}
+              "fused_projection": fused_projection, "prepared_experts": prepared_experts,
+              "speculative": speculative}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 
