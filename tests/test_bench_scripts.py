@@ -373,3 +373,17 @@ def test_balance_routing_evens_out_a_skewed_router():
   for mlp in moe:
     bias = np.asarray(mlp.correction_bias.get_value())
     assert (bias < 0).all() and (bias > -1).all()  # minus a mean sigmoid score
+
+
+def test_bench_speculative_smoke(tmp_path):
+  out = tmp_path / "spec.json"
+  run_script("scripts/bench_speculative.py", "--smoke", "--rounds", "3", "--concurrency", "2", "--drafts", "1,2",
+             "--out", str(out))
+  r = json.loads(out.read_text())
+  (row,) = r["rows"]
+  assert row["concurrency"] == 2 and row["step_ms"] > 0 and set(row["rounds"]) == {"1", "2"}
+  for k, rd in row["rounds"].items():
+    assert rd["round_ms"] > 0 and rd["round_over_step"] == pytest.approx(rd["round_ms"] / row["step_ms"])
+    assert 0.0 <= rd["acceptance_on_random_weights"] <= 1.0
+    expected = (1 - 0.7 ** (int(k) + 1)) / (1 - 0.7) * row["step_ms"] / rd["round_ms"]
+    assert rd["projected_speedup"]["0.7"] == pytest.approx(expected)
