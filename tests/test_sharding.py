@@ -131,6 +131,18 @@ def test_memory_plan_full_m3():
   fp8 = plan_memory(cfg, "tensor=4", batch=4, context=65536, expert_bytes=FP8_BYTES)
   assert fp8.weights["routed experts"] == pytest.approx(experts / 2 * FP8_BYTES / 4, rel=1e-6)
   assert fp8.total_per_device < 141e9, fp8.lines()
+  # The MTP module (speculative decoding): one sparse MoE layer's weights and cache more; its experts split too.
+  mtp = plan_memory(cfg, "tensor=8", batch=8, context=32768, with_mtp=True)
+  base = plan_memory(cfg, "tensor=8", batch=8, context=32768)
+  moe_layers = t.num_layers - 3
+  layer = ((base.weights["routed experts"] + base.weights["shared experts"] + base.weights["router"]) / moe_layers
+           + base.weights["attention"] / t.num_layers + base.weights["indexer"] / t.num_sparse_layers)
+  eh_proj = 2 * t.hidden_size * t.hidden_size * 2  # replicated
+  assert mtp.weights["MTP module"] == pytest.approx(layer + eh_proj, rel=1e-3), (mtp.weights, layer + eh_proj)
+  assert mtp.weights_per_device - base.weights_per_device == mtp.weights["MTP module"]
+  assert mtp.cache["MTP cache"] == base.cache["kv"] // t.num_layers + base.cache["index keys"] // t.num_sparse_layers
+  mtp32 = plan_memory(m3jax.tiny(mtp=True), "expert=2", batch=1, context=256, dtype=jnp.float32, with_mtp=True)
+  assert mtp32.split_experts == int(1.5 * ep32.weights["routed experts"] * 3 / 2)  # 2 MoE layers + the MTP's
 
 
 def test_inspect_mesh_option(capsys):

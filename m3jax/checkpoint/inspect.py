@@ -21,7 +21,7 @@ from m3jax.checkpoint.source import TensorSource
 from m3jax.config import M3Config
 
 COMPONENTS = ("embeddings", "attention", "indexer", "dense MLP", "routed experts", "shared experts", "router",
-              "norms", "lm_head", "vision")
+              "norms", "lm_head", "vision", "MTP module")
 
 
 def component(path: Sequence[Any]) -> str:
@@ -29,6 +29,8 @@ def component(path: Sequence[Any]) -> str:
   names = [str(p) for p in path]
   if names[0] == "vision":
     return "vision"
+  if names[0] == "mtp":
+    return "MTP module"
   if names == ["embed"]:
     return "embeddings"
   if names == ["lm_head"]:
@@ -135,7 +137,10 @@ def _inspect_source(path: str) -> Report:
   for name in source.keys():
     if name in used:
       continue
-    e = extras.setdefault(extra_category(name), [0, 0, "skipped by the text model"])
+    category = extra_category(name)
+    note = ("loaded only with with_mtp=True (speculative decoding)" if category == "mtp"
+            else "skipped by the text model")
+    e = extras.setdefault(category, [0, 0, note])
     e[0] += 1
     e[1] += int(np.prod(source.shape(name), dtype=np.int64))
   dtypes: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])

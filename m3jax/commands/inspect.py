@@ -17,6 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   g.add_argument("--sequence-parallel", action="store_true", help="plan with RULES_SP")
   g.add_argument("--fp8-experts", action="store_true",
                  help="forecast routed experts kept in MXFP8 (1 + 1/32 bytes per weight); others in bf16")
+  g.add_argument("--with-mtp", action="store_true",
+                 help="include the MTP module and its cache (what --speculative / with_mtp=True loads)")
   p.set_defaults(func=run)
 
 
@@ -33,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = "bfloat16" if args.fp8_experts else report.dtype
     plan = plan_memory(report.config, args.mesh, batch=args.batch, context=context, dtype=dtype,
                        expert_bytes=FP8_BYTES if args.fp8_experts else None,
-                       rules=sharding.RULES_SP if args.sequence_parallel else sharding.RULES)
+                       rules=sharding.RULES_SP if args.sequence_parallel else sharding.RULES,
+                       with_mtp=args.with_mtp)
     print("\n".join(plan.lines()))
   return 0

@@ -93,20 +93,22 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # under 'attn' (and its 'indexer'
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_params(config: Any, dtype: Any
-                     ) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...], bool], ...]:
-  """(component, shape, dtype, logical names, is an input projection) of every parameter the loader would build."""
+def _abstract_params(config: Any, dtype: Any, with_mtp: bool = False
+                     ) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...], bool, bool], ...]:
+  """(component, shape, dtype, logical names, is an input projection, is a routed-expert weight) of every
+  parameter the loader would build."""
   from m3jax.checkpoint.loader import abstract_model  # pylint: disable=g-import-not-at-top
+  from m3jax.checkpoint.mapping import EXPERT_PARAMS  # pylint: disable=g-import-not-at-top
 
-  _, flat = abstract_model(config, dtype)
+  _, flat = abstract_model(config, dtype, with_mtp=with_mtp)
   return tuple((_component(path), tuple(var.shape), var.dtype,
                 tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape)),
-                "attn" in path and path[-1] in _PROJECTIONS) for path, var in flat)
+                "attn" in path and path[-1] in _PROJECTIONS, path[-1] in EXPERT_PARAMS) for path, var in flat)
 
 
 def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int, context: int,
                 dtype: Any = jnp.bfloat16, expert_bytes: float | None = None, cache_dtype: Any = None,
-                rules: Rules = RULES) -> MemoryPlan:
+                rules: Rules = RULES, with_mtp: bool = False) -> MemoryPlan:
   """Weight and cache bytes per device.
 
   Args:
@@ -116,12 +118,14 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     dtype: parameter dtype (router weights / correction biases stay fp32, as in the model).
     expert_bytes: bytes per routed-expert weight if different (e.g. FP8_BYTES for an MXFP8 forecast).
     cache_dtype: KV / index-key cache dtype (default: dtype).
+    with_mtp: include the MTP modules (weights as "MTP module", their sparse-layer caches as "MTP cache") that
+      speculative decoding loads.
   """
   sizes = mesh_sizes(mesh)
   check_config(config, sizes, rules)
   weights: dict[str, float] = {}
-  total = fused = 0.0
-  for comp, shape, param_dtype, names, projection in _abstract_params(config, jnp.dtype(dtype)):
+  total = fused = mtp_experts = 0.0
+  for comp, shape, param_dtype, names, projection, expert in _abstract_params(config, jnp.dtype(dtype), with_mtp):
     itemsize = np.dtype(param_dtype).itemsize
     if expert_bytes is not None and comp == "routed experts":
       itemsize = expert_bytes
@@ -131,11 +135,12 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     total += nbytes
     weights[comp] = weights.get(comp, 0.0) + nbytes / split
     fused += nbytes / split if projection else 0.0
+    mtp_experts += nbytes / split if expert and comp == "MTP module" else 0.0
   # fp32 weights run the MoE kernels through a bf16 [hi; lo; hi] copy (3 x 2 bytes per 4-byte weight), which a
   # decode loop prepares once: the routed experts, and the shared expert where it runs in the kernels (one device).
   split_experts = 0.0
   if jnp.dtype(dtype) == jnp.float32 and expert_bytes is None:
-    split_experts = 1.5 * weights.get("routed experts", 0.0)
+    split_experts = 1.5 * (weights.get("routed experts", 0.0) + mtp_experts)
     if math.prod(sizes.values()) == 1:
       split_experts += 1.5 * weights.get("shared experts", 0.0)
   t = config.text
@@ -158,6 +163,9 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
   n_sparse = t.num_sparse_layers
   cache = {"kv": 2 * t.num_layers * kv_dev, "index keys": n_sparse * idx_dev}
   global_cache = (2 * t.num_layers * kv_full * t.num_kv_heads / kv_heads + n_sparse * idx_full)
+  if with_mtp:  # one sparse layer's KV + index-key cache per MTP module
+    cache["MTP cache"] = t.num_mtp_modules * (2 * kv_dev + idx_dev)
+    global_cache += t.num_mtp_modules * (2 * kv_full * t.num_kv_heads / kv_heads + idx_full)
   notes = []
   if kv_heads > t.num_kv_heads:
     notes.append(f"tensor axis ({heads_ranks}) > {t.num_kv_heads} KV heads: each KV / index head is replicated "
