@@ -72,6 +72,12 @@ def pad_embeds(prompt_embeds: jax.Array | np.ndarray | None, padded: np.ndarray)
   return jnp.pad(jnp.asarray(prompt_embeds), ((0, 0), (0, bucket - prompt_embeds.shape[1]), (0, 0)))
 
 
+def stop_ids(model: M3ForCausalLM, eos_token_ids: Sequence[int] | None) -> jax.Array:
+  """int32 [n] stop tokens for a generation loop: the config's eos ids when None; () gives [-1] (never stops)."""
+  eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+  return jnp.asarray(list(eos) or [-1], jnp.int32)
+
+
 def _put_fn(model: M3ForCausalLM):
   """Host value -> jax.Array replicated over the model's mesh (global inputs under jax.distributed)."""
   return functools.partial(sharding.put_replicated, plan=model.sharding_plan)
@@ -189,8 +195,7 @@ def generate(
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   padded, lengths = pad_prompts(prompt_ids, pad_token_id)
   cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
-  eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
-  eos_arr = jnp.asarray(list(eos) or [-1], jnp.int32)
+  eos_arr = stop_ids(model, eos_token_ids)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   tokens, new_lengths = _generate_jit(

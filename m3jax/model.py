@@ -81,29 +81,25 @@ class M3ForCausalLM(nnx.Module):
 
     Prefer a multiple of 128 (the key block): the attention kernels pad other lengths, a copy per call.
     """
+    return tuple(self._layer_cache(batch, max_length, kind == "sparse", dtype)
+                 for kind in self.config.text.attention_types)
+
+  def _layer_cache(self, batch: int, max_length: int, sparse: bool, dtype: jnp.dtype | None) -> LayerCache:
+    """One layer's zeroed cache (KV heads repeated when the tensor axis has more ranks than KV heads)."""
     cfg = self.config.text
     kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
-    return tuple(
-        LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim,
-                         cfg.index_head_dim if kind == "sparse" else None, dtype or self.dtype)
-        for kind in cfg.attention_types)
+    return LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim, cfg.index_head_dim if sparse else None,
+                            dtype or self.dtype)
 
   @sharding.uses_model_plan
   def init_mtp_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
     """Zeroed caches of the MTP modules (one sparse-layer cache each), laid out like ``init_caches``'."""
-    if self.mtp is None:
-      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
-    cfg = self.config.text
-    kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
-    return tuple(LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim, cfg.index_head_dim, dtype or self.dtype)
-                 for _ in self.mtp)
+    return tuple(self._layer_cache(batch, max_length, True, dtype) for _ in self._mtp_modules())
 
   @sharding.uses_model_plan
   def mtp_decode_weights(self) -> tuple[DecodeWeights, ...]:
     """``decode_weights`` of the MTP modules' layers, for ``mtp_forward(decode_weights=...)`` in a loop."""
-    if self.mtp is None:
-      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
-    return tuple(m.layer.decode_weights() for m in self.mtp)
+    return tuple(m.layer.decode_weights() for m in self._mtp_modules())
 
   @sharding.uses_model_plan
   def mtp_forward(self, next_ids: jax.Array, prev_hidden: jax.Array, *, positions: jax.Array,
@@ -125,15 +121,14 @@ class M3ForCausalLM(nnx.Module):
       ForwardOutput: logits fp32 [B, S, V] (distribution of x_{t+2}); hidden [B, S, H] (the module's output
       before its final norm, what a next draft step reads); caches with module ``step % n``'s updated.
     """
-    if self.mtp is None:
-      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
+    modules = self._mtp_modules()
     _check_ids(next_ids, self.config.text.vocab_size)
     b, s = next_ids.shape
     if positions.shape != (b, s) or prev_hidden.shape[:2] != (b, s):
       raise ValueError(f"next_ids {next_ids.shape}, positions {positions.shape} and prev_hidden "
                        f"{prev_hidden.shape} must agree on [batch, seq]")
-    i = step % len(self.mtp)
-    module = self.mtp[i]
+    i = step % len(modules)
+    module = modules[i]
     out, cache = module(self.embed_tokens(next_ids), prev_hidden, positions=positions,
                         cache=None if caches is None else caches[i],
                         prepared=None if decode_weights is None else decode_weights[i])
@@ -142,6 +137,11 @@ class M3ForCausalLM(nnx.Module):
     logits = self._lm_logits(module.final_norm(out))
     new_caches = None if caches is None else tuple(cache if j == i else c for j, c in enumerate(caches))
     return ForwardOutput(logits=logits, caches=new_caches, hidden=out)
+
+  def _mtp_modules(self) -> nnx.List:
+    if self.mtp is None:
+      raise ValueError("this model has no MTP modules (build or load it with with_mtp=True)")
+    return self.mtp
 
   def _lm_logits(self, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden [B, S, H] -> fp32 logits [B, S, V] through the (possibly tied) LM head."""

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax import sharding
-from m3jax.generate import _put_fn, _validate, pad_prompts
+from m3jax.generate import _put_fn, _validate, pad_prompts, stop_ids
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, filtered_logits, sample
 
@@ -222,12 +222,11 @@ def generate_speculative(
   except ValueError as e:
     raise ValueError(f"{e} (max_new_tokens counted with the {num_draft_tokens} draft slots of the last "
                      "verification)") from None
-  eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   tokens, produced, rounds, drafts, accepted = _speculative_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)),
-      put(jnp.asarray(list(eos) or [-1], jnp.int32)), put(np.int32(pad_token_id)), max_new_tokens=max_new_tokens,
+      put(stop_ids(model, eos_token_ids)), put(np.int32(pad_token_id)), max_new_tokens=max_new_tokens,
       num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
   r = int(rounds)
   return SpeculativeOutput(tokens=np.asarray(tokens), lengths=np.asarray(produced), drafts=np.asarray(drafts)[:, :r],

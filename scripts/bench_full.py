@@ -136,12 +136,15 @@ def random_params(flat, keys, out_shardings, seed: int = 0) -> None:
     var.set_value(_normal_leaf(tuple(var.shape), jnp.dtype(var.dtype), out_shardings[k])(jax.random.fold_in(base, i)))
 
 
-def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int, cache_len: int):
-  """The model's per-layer caches (``init_caches``' shapes, dtypes and layout under ``plan``) for ``batch``
-  sequences x cache_len slots, holding random N(0, 1) values; each array is drawn by a per-shape jit, as the
-  parameters are (one jit over all 60 layers' caches took about two minutes to compile on the GPU host)."""
-  abstract = jax.eval_shape(lambda: model.init_caches(batch, cache_len))
-  base = jax.random.key(batch)
+def random_caches(model: M3ForCausalLM, plan: sharding.ShardingPlan, batch: int, cache_len: int, *,
+                  mtp: bool = False, seed: int | None = None):
+  """The model's per-layer caches (``init_caches``' shapes, dtypes and layout under ``plan``; ``mtp``: the MTP
+  modules' caches, ``init_mtp_caches``) for ``batch`` sequences x cache_len slots, holding random N(0, 1) values
+  (seed: default ``batch``); each array is drawn by a per-shape jit, as the parameters are (one jit over all 60
+  layers' caches took about two minutes to compile on the GPU host)."""
+  init = model.init_mtp_caches if mtp else model.init_caches
+  abstract = jax.eval_shape(lambda: init(batch, cache_len))
+  base = jax.random.key(batch if seed is None else seed)
 
   def draw(i: int, names: tuple[str, ...], x) -> jax.Array:
     make = _normal_leaf(tuple(x.shape), jnp.dtype(x.dtype), plan.sharding(names, x.shape), 1.0)

@@ -29,9 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench_full import _normal_leaf, model_config, random_params, shard_config
+from bench_full import model_config, random_caches, random_params, shard_config
 from m3jax import sharding
-from m3jax.cache import LayerCache
 from m3jax.generate import _decode
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, sample
@@ -43,19 +42,6 @@ ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 def tokens_per_round(a: float, k: int) -> float:
   """Expected tokens of a round with k drafts, each accepted with probability a given its predecessors were."""
   return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-
-
-def random_cache_tuple(abstract, plan, seed: int) -> tuple[LayerCache, ...]:
-  """Random N(0, 1) caches with the shapes / layout of ``abstract`` (a tuple of LayerCache shape structs)."""
-  base = jax.random.key(seed)
-
-  def draw(i, names, x):
-    return _normal_leaf(tuple(x.shape), jnp.dtype(x.dtype), plan.sharding(names, x.shape), 1.0)(
-        jax.random.fold_in(base, i))
-
-  return tuple(LayerCache(**{f: None if getattr(c, f) is None else draw(3 * i + j, LayerCache.LOGICAL_AXES[f],
-                                                                          getattr(c, f))
-                             for j, f in enumerate(("k", "v", "idx_k"))}) for i, c in enumerate(abstract))
 
 
 def wall_ms(fn, carry, repeats: int = 3):
@@ -134,7 +120,7 @@ def main() -> None:
         return key, logits, pos + 1, caches
       return jax.lax.fori_loop(0, args.rounds, body, carry)
 
-    caches = random_cache_tuple(jax.eval_shape(lambda: model.init_caches(c, cache_len)), plan, c)
+    caches = random_caches(model, plan, c, cache_len)
     logits0 = np.asarray(jax.random.normal(jax.random.key(1), (c, t.vocab_size)), np.float32)
     carry = (put(jax.random.key(0)), put(logits0), put(np.full((c,), context, np.int32)), caches)
     step_ms, step_first, carry = wall_ms(lambda cr: plain_loop((state, prepared), cr), carry)
@@ -154,21 +140,15 @@ def main() -> None:
       carry = dict(
           key=put(jax.random.key(k)), tokens=put(np.zeros((c, max_new), np.int32)),
           produced=put(np.ones((c,), np.int32)), done=put(np.zeros((c,), bool)),
-          caches=random_cache_tuple(jax.eval_shape(lambda: model.init_caches(c, cache_len)), plan, c),
-          mtp_caches=random_cache_tuple(jax.eval_shape(lambda: model.init_mtp_caches(c, cache_len)), plan, c + 1),
+          caches=random_caches(model, plan, c, cache_len),
+          mtp_caches=random_caches(model, plan, c, cache_len, mtp=True, seed=c + 1),
           draft_logits=put(logits0), mtp_hidden=put(np.asarray(jax.random.normal(jax.random.key(2), (c, t.hidden_size)),
                                                           np.float32).astype(dtype)),
           p=put(np.full((c,), context, np.int32)),
           x_p=put(np.asarray(jax.random.randint(jax.random.key(3), (c,), 0, t.vocab_size), np.int32)),
           round=put(np.int32(0)), drafts=put(np.full((c, 4 * args.rounds + 1, k), -1, np.int32)),
           accepted=put(np.full((c, 4 * args.rounds + 1), -1, np.int32)))
-      calls = {"n": 0}
-
-      def one_call(cr):
-        calls["n"] += 1
-        return spec_loop((state, prepared, mtp_prepared), cr)
-
-      round_ms, first_s, carry = wall_ms(one_call, carry)
+      round_ms, first_s, carry = wall_ms(lambda cr: spec_loop((state, prepared, mtp_prepared), cr), carry)
       per_round = round_ms / args.rounds
       acc = np.asarray(carry["accepted"])
       rate = float(np.maximum(acc, 0).sum()) / max(int((acc >= 0).sum()) * k, 1)

@@ -178,8 +178,6 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(path)
-  if with_mtp and cfg.text.num_mtp_modules < 1:
-    raise CheckpointError(f"{path}/config.json: num_mtp_modules = 0, so with_mtp has no MTP modules to load")
   layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp)
   dtype = checkpoint_dtype(source, layout) if dtype is None else jnp.dtype(dtype)
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
