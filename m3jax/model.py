@@ -104,7 +104,8 @@ class M3ForCausalLM(nnx.Module):
   @sharding.uses_model_plan
   def mtp_forward(self, next_ids: jax.Array, prev_hidden: jax.Array, *, positions: jax.Array,
                   caches: tuple[LayerCache, ...] | None = None, step: int = 0, logits_at: jax.Array | None = None,
-                  decode_weights: Sequence[DecodeWeights] | None = None) -> ForwardOutput:
+                  decode_weights: Sequence[DecodeWeights] | None = None,
+                  next_embeds: jax.Array | None = None) -> ForwardOutput:
     """One draft step of MTP module ``step % num_mtp_modules`` (M3_SPEC §8).
 
     Args:
@@ -116,6 +117,9 @@ class M3ForCausalLM(nnx.Module):
       step: the draft step (selects the module when there are several).
       logits_at: optional int32 [B]: logits (and ``hidden``) at this index of each row only ([B, 1, ...]).
       decode_weights: ``mtp_decode_weights()`` built once outside a loop.
+      next_embeds: optional [B, S, H] embeddings of x_{t+1} replacing the token embeddings of next_ids (a
+        multimodal prompt's ``embed_multimodal`` output shifted left by one: image / video features, as the
+        target read them one position later); next_ids is still checked.
 
     Returns:
       ForwardOutput: logits fp32 [B, S, V] (distribution of x_{t+2}); hidden [B, S, H] (the module's output
@@ -127,9 +131,12 @@ class M3ForCausalLM(nnx.Module):
     if positions.shape != (b, s) or prev_hidden.shape[:2] != (b, s):
       raise ValueError(f"next_ids {next_ids.shape}, positions {positions.shape} and prev_hidden "
                        f"{prev_hidden.shape} must agree on [batch, seq]")
+    if next_embeds is not None and next_embeds.shape != prev_hidden.shape:
+      raise ValueError(f"next_embeds has shape {next_embeds.shape}; expected {prev_hidden.shape} like prev_hidden")
     i = step % len(modules)
     module = modules[i]
-    out, cache = module(self.embed_tokens(next_ids), prev_hidden, positions=positions,
+    embeds = self.embed_tokens(next_ids) if next_embeds is None else next_embeds.astype(self.dtype)
+    out, cache = module(embeds, prev_hidden, positions=positions,
                         cache=None if caches is None else caches[i],
                         prepared=None if decode_weights is None else decode_weights[i])
     if logits_at is not None:

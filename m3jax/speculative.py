@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from m3jax import sharding
-from m3jax.generate import _put_fn, _validate, pad_prompts, stop_ids
+from m3jax.generate import Decoder, _GraphKey, _put_embeds, _put_fn, _validate, pad_prompts, stop_ids
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, filtered_logits, sample
 
@@ -150,41 +150,74 @@ def speculative_round(model: M3ForCausalLM, c: dict[str, jax.Array], prepared, m
               accepted=c["accepted"].at[:, r].set(jnp.where(active, n, -1)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len"))
-def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, *, max_new_tokens: int,
-                     num_draft: int, sampling: SamplingParams, cache_len: int):
-  model = nnx.merge(graphdef, state)
+def _start(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, key: jax.Array, eos_ids: jax.Array,
+           pad_id: jax.Array, embeds: jax.Array | None, *, max_new_tokens: int, num_draft: int,
+           sampling: SamplingParams, cache_len: int) -> dict[str, jax.Array]:
+  """Prefill of the target and of the MTP module -> the round loop's initial carry (``speculative_round``).
+  prompt int32 [B, S] right-padded, lengths [B]; embeds: optional multimodal prompt embeddings [B, S, H]."""
   b, s = prompt.shape
-  k = num_draft
   rows = jnp.arange(b)
   positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  out = model.forward(prompt, positions=positions, caches=model.init_caches(b, cache_len), logits_at=lengths - 1)
+  out = model.forward(prompt, positions=positions, caches=model.init_caches(b, cache_len), logits_at=lengths - 1,
+                      inputs_embeds=embeds)
   key, sub = jax.random.split(key)
   first = sample(out.logits[:, 0], sub, sampling)
-  # MTP prefill: position t reads x_{t+1} (the prompt shifted left, then the first new token) and h_t.
+  # MTP prefill: position t reads x_{t+1} (the prompt shifted left, then the first new token) and h_t. A
+  # multimodal prompt's drafter reads its embeddings shifted the same way (image features where x_{t+1} is an
+  # image token), as vLLM's proposer gathers them.
   next_ids = jnp.concatenate([prompt[:, 1:], jnp.zeros_like(prompt[:, :1])], axis=1).at[rows, lengths - 1].set(first)
+  next_embeds = None
+  if embeds is not None:
+    next_embeds = jnp.concatenate([embeds[:, 1:], jnp.zeros_like(embeds[:, :1])], axis=1)
+    next_embeds = next_embeds.at[rows, lengths - 1].set(model.embed_tokens(first[:, None])[:, 0].astype(embeds.dtype))
   mtp = model.mtp_forward(next_ids, out.hidden, positions=positions, caches=model.init_mtp_caches(b, cache_len),
-                          logits_at=lengths - 1)
+                          logits_at=lengths - 1, next_embeds=next_embeds)
+  # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 rounds follow the prefill.
+  max_rounds = max(max_new_tokens - 1, 1)
+  return dict(key=key, tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+              produced=jnp.ones((b,), jnp.int32), done=jnp.isin(first, eos_ids) | (max_new_tokens <= 1),
+              caches=out.caches, mtp_caches=mtp.caches, draft_logits=mtp.logits[:, 0], mtp_hidden=mtp.hidden[:, 0],
+              p=lengths, x_p=first, round=jnp.int32(0), drafts=jnp.full((b, max_rounds, num_draft), -1, jnp.int32),
+              accepted=jnp.full((b, max_rounds), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len"))
+def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
+                     num_draft: int, sampling: SamplingParams, cache_len: int):
+  model = nnx.merge(graphdef, state)
+  init = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
+                num_draft=num_draft, sampling=sampling, cache_len=cache_len)
   prepared, mtp_prepared = model.decode_weights(), model.mtp_decode_weights()
 
   def cond(carry):
     return ~jnp.all(carry["done"])
 
   def body(carry):
-    return speculative_round(model, carry, prepared, mtp_prepared, eos_ids, num_draft=k, sampling=sampling,
+    return speculative_round(model, carry, prepared, mtp_prepared, eos_ids, num_draft=num_draft, sampling=sampling,
                              max_new_tokens=max_new_tokens)
 
-  # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 rounds follow the prefill.
-  max_rounds = max(max_new_tokens - 1, 1)
-  init = dict(key=key, tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
-              produced=jnp.ones((b,), jnp.int32), done=jnp.isin(first, eos_ids) | (max_new_tokens <= 1),
-              caches=out.caches, mtp_caches=mtp.caches, draft_logits=mtp.logits[:, 0], mtp_hidden=mtp.hidden[:, 0],
-              p=lengths, x_p=first, round=jnp.int32(0), drafts=jnp.full((b, max_rounds, k), -1, jnp.int32),
-              accepted=jnp.full((b, max_rounds), -1, jnp.int32))
   final = jax.lax.while_loop(cond, body, init)
   plan = model.sharding_plan
   return tuple(sharding.replicated(final[name], plan)
                for name in ("tokens", "produced", "round", "drafts", "accepted"))
+
+
+def _prepare(model: M3ForCausalLM, prompt_ids, num_draft_tokens: int, max_new_tokens: int, max_length: int | None,
+             pad_token_id: int, temperature: float, top_k: int | None, top_p: float | None
+             ) -> tuple[SamplingParams, np.ndarray, np.ndarray, int]:
+  """Checks the request before any compute -> (sampling, padded prompts, lengths, cache length)."""
+  if model.mtp is None:
+    raise ValueError("speculative decoding needs the model's MTP modules: load it with with_mtp=True")
+  if num_draft_tokens < 1:
+    raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+  sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  padded, lengths = pad_prompts(prompt_ids, pad_token_id)
+  try:
+    cache_len = _validate(model, lengths, padded, max_new_tokens + num_draft_tokens, max_length)
+  except ValueError as e:
+    raise ValueError(f"{e} (max_new_tokens counted with the {num_draft_tokens} draft slots of the last "
+                     "verification)") from None
+  return sampling, padded, lengths, cache_len
 
 
 def generate_speculative(
@@ -200,34 +233,129 @@ def generate_speculative(
     eos_token_ids: Sequence[int] | None = None,
     pad_token_id: int = 0,
     max_length: int | None = None,
+    prompt_embeds: jax.Array | None = None,
 ) -> SpeculativeOutput:
   """``generate`` with MTP speculative decoding: each round drafts ``num_draft_tokens`` tokens with the model's
   MTP module and verifies them in one target forward (one jit-compiled program, like ``generate``).
 
   The model needs its MTP modules (``m3jax.load(path, with_mtp=True)``). Greedy decoding gives ``generate``'s
   tokens; sampling gives the same distribution (module docstring). The cache holds num_draft_tokens more slots
-  than ``generate``'s (the verification window). Arguments are as in ``generate``.
+  than ``generate``'s (the verification window). Arguments are as in ``generate``; with ``prompt_embeds``
+  (images / videos) the MTP module also reads them, shifted by one position.
 
   Returns:
     SpeculativeOutput (tokens, lengths, and every round's drafts and acceptance counts).
   """
-  if model.mtp is None:
-    raise ValueError("speculative decoding needs the model's MTP modules: load it with with_mtp=True")
-  if num_draft_tokens < 1:
-    raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
-  sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-  padded, lengths = pad_prompts(prompt_ids, pad_token_id)
-  try:
-    cache_len = _validate(model, lengths, padded, max_new_tokens + num_draft_tokens, max_length)
-  except ValueError as e:
-    raise ValueError(f"{e} (max_new_tokens counted with the {num_draft_tokens} draft slots of the last "
-                     "verification)") from None
+  sampling, padded, lengths, cache_len = _prepare(model, prompt_ids, num_draft_tokens, max_new_tokens, max_length,
+                                                  pad_token_id, temperature, top_k, top_p)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   tokens, produced, rounds, drafts, accepted = _speculative_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)),
-      put(stop_ids(model, eos_token_ids)), put(np.int32(pad_token_id)), max_new_tokens=max_new_tokens,
-      num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
+      put(stop_ids(model, eos_token_ids)), put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded),
+      max_new_tokens=max_new_tokens, num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
   r = int(rounds)
   return SpeculativeOutput(tokens=np.asarray(tokens), lengths=np.asarray(produced), drafts=np.asarray(drafts)[:, :r],
                            accepted_drafts=np.asarray(accepted)[:, :r])
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "max_new_tokens", "num_draft", "sampling", "cache_len"))
+def _start_jit(graph: _GraphKey, params, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
+               num_draft: int, sampling: SamplingParams, cache_len: int):
+  model = graph.merge(params)
+  carry = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
+                 num_draft=num_draft, sampling=sampling, cache_len=cache_len)
+  return carry, model.mtp_decode_weights(), _summary(carry, model.sharding_plan)
+
+
+def _summary(c: dict[str, jax.Array], plan) -> dict[str, jax.Array]:
+  """What the host reads after a call, replicated: tokens [B, max_new_tokens], produced [B], done [B], rounds [B]
+  and accepted drafts [B] so far."""
+  summary = dict(tokens=c["tokens"], produced=c["produced"], done=c["done"],
+                 rounds=jnp.sum(c["accepted"] >= 0, axis=1), accepted=jnp.sum(jnp.maximum(c["accepted"], 0), axis=1))
+  return {k: sharding.replicated(v, plan) for k, v in summary.items()}
+
+
+_CACHES = ("caches", "mtp_caches")
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_rounds", "num_draft", "sampling", "max_new_tokens"),
+                   donate_argnames=_CACHES)
+def _rounds_jit(graph: _GraphKey, params, prepared, mtp_prepared, carry, caches, mtp_caches, eos_ids, *,
+                num_rounds: int, num_draft: int, sampling: SamplingParams, max_new_tokens: int):
+  """``num_rounds`` rounds in one call -> (carry without its caches, caches, mtp_caches, ``_summary``)."""
+  model = graph.merge(params)
+
+  def body(_, c):
+    return speculative_round(model, c, prepared, mtp_prepared, eos_ids, num_draft=num_draft, sampling=sampling,
+                             max_new_tokens=max_new_tokens)
+
+  c = dict(carry, caches=caches, mtp_caches=mtp_caches)
+  c = body(0, c) if num_rounds == 1 else jax.lax.fori_loop(0, num_rounds, body, c)
+  caches, mtp_caches = c.pop("caches"), c.pop("mtp_caches")
+  return c, caches, mtp_caches, _summary(c, model.sharding_plan)
+
+
+def generate_speculative_stream(
+    model: M3ForCausalLM,
+    prompt_ids: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    num_draft_tokens: int = 1,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    max_length: int | None = None,
+    prompt_embeds: jax.Array | None = None,
+    rounds_per_call: int = 1,
+    stats: dict[str, np.ndarray] | None = None,
+) -> Iterator[list[np.ndarray]]:
+  """``generate_speculative``, yielding tokens as the rounds produce them (jitted prefill, then jitted calls of
+  ``rounds_per_call`` rounds each).
+
+  Yields, after the prefill and after each call, a list of B int32 arrays: each sequence's new tokens since the
+  previous yield (0 .. rounds_per_call x (k + 1) of them; none once it has stopped). Concatenated, they are
+  ``generate_speculative``'s tokens for the same arguments (the same random stream). Call c + 1 is dispatched
+  before call c's tokens are read, as in ``generate.generate_stream``; the calls after every sequence stops are
+  not read. ``stats``, if given, receives after each read 'rounds' and 'accepted' (int32 [B]: verification
+  rounds and accepted drafts so far).
+  """
+  if rounds_per_call < 1:
+    raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
+  sampling, padded, lengths, cache_len = _prepare(model, prompt_ids, num_draft_tokens, max_new_tokens, max_length,
+                                                  0, temperature, top_k, top_p)
+  decoder = Decoder.of(model)
+  put = decoder.put
+  eos_ids = put(stop_ids(model, eos_token_ids))
+  carry, mtp_prepared, summary = _start_jit(decoder.graph, decoder.params, put(padded), put(lengths),
+                                   put(jax.random.key(seed)), eos_ids, put(np.int32(0)),
+                                   _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens,
+                                   num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
+  caches, mtp_caches = carry.pop("caches"), carry.pop("mtp_caches")
+  shown = np.zeros(len(lengths), np.int64)  # tokens yielded per sequence
+  done, chunk = _read(summary, shown, stats)
+  yield chunk  # the prefill's token
+  pending = None
+  while not done.all():
+    carry, caches, mtp_caches, summary = _rounds_jit(
+        decoder.graph, decoder.params, decoder.decode_weights, mtp_prepared, carry, caches, mtp_caches, eos_ids,
+        num_rounds=rounds_per_call, num_draft=num_draft_tokens, sampling=sampling, max_new_tokens=max_new_tokens)
+    if pending is not None:
+      done, chunk = _read(pending, shown, stats)
+      yield chunk
+    pending = summary
+  if pending is not None and not np.all(shown >= np.asarray(pending["produced"])):
+    _, chunk = _read(pending, shown, stats)
+    yield chunk
+
+
+def _read(summary: dict[str, jax.Array], shown: np.ndarray, stats: dict | None) -> tuple[np.ndarray, list[np.ndarray]]:
+  """A call's summary -> (done [B], each sequence's tokens past ``shown``, which is advanced)."""
+  tokens, produced = np.asarray(summary["tokens"]), np.asarray(summary["produced"])
+  chunk = [tokens[i, shown[i]: produced[i]].copy() for i in range(len(shown))]
+  shown[:] = np.maximum(shown, produced)
+  if stats is not None:
+    stats["rounds"], stats["accepted"] = np.asarray(summary["rounds"]), np.asarray(summary["accepted"])
+  return np.asarray(summary["done"]), chunk

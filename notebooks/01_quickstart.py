@@ -98,3 +98,15 @@ spec = generate_speculative(spec_model, [prompt], max_new_tokens=20, num_draft_t
 assert (spec.tokens == out.tokens).all()  # same tokens as generate above
 print(f"{spec.rounds[0]} rounds, acceptance {spec.acceptance_rate:.2f}, {spec.tokens_per_round:.2f} tokens per round")
 print("round 0 drafted", spec.drafts[0, 0].tolist(), "- kept", spec.accepted_drafts[0, 0])
+
+# %% [markdown]
+# `generate_speculative_stream` yields each sequence's new tokens as the rounds produce them (here 2 rounds per
+# device call); concatenated, they are the same tokens.
+
+# %%
+from m3jax.speculative import generate_speculative_stream
+
+chunks = [c[0].tolist() for c in generate_speculative_stream(spec_model, [prompt], max_new_tokens=20,
+                                                                num_draft_tokens=2, rounds_per_call=2)]
+print("chunks:", chunks)
+assert sum(chunks, []) == spec.tokens[0, : spec.lengths[0]].tolist()

@@ -284,12 +284,12 @@ def prepared_experts(*mesh_args: str) -> dict:
 
 
 def speculative(*mesh_args: str) -> dict:
-  """The MTP module loaded sharded (with_mtp) and ``generate_speculative`` under each plan: tokens, drafts and
-  acceptance counts against one device, with a drafter whose drafts are partly accepted (test_speculative)."""
+  """The MTP module loaded sharded (with_mtp) and ``generate_speculative`` (and its stream) under each plan:
+  tokens, drafts and acceptance counts against one device, with a drafter whose drafts are partly accepted (test_speculative)."""
   import tempfile  # pylint: disable=g-import-not-at-top
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax.checkpoint.writer import write_checkpoint  # pylint: disable=g-import-not-at-top
-  from m3jax.speculative import generate_speculative  # pylint: disable=g-import-not-at-top
+  from m3jax.speculative import generate_speculative, generate_speculative_stream  # pylint: disable=g-import-not-at-top
   from test_speculative import PROMPTS, _drafting_model  # pylint: disable=g-import-not-at-top
 
   path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
@@ -305,7 +305,11 @@ def speculative(*mesh_args: str) -> dict:
     mesh, rules = _mesh_and_rules(arg)
     model = m3jax.load(path, kernels="reference", with_mtp=True, mesh=mesh, axis_rules=rules)
     got = run(model)
+    chunks = list(generate_speculative_stream(model, prompts, max_new_tokens=16, num_draft_tokens=2, eos_token_ids=(),
+                                              rounds_per_call=2))
+    streamed = [np.concatenate([c[b] for c in chunks]) for b in range(len(prompts))]
     out[arg] = {"tokens_equal": bool(np.array_equal(got.tokens, want.tokens)),
+                "stream_equal": all(np.array_equal(s, want.tokens[b]) for b, s in enumerate(streamed)),
                 "drafts_equal": bool(np.array_equal(got.drafts, want.drafts)
                                      and np.array_equal(got.accepted_drafts, want.accepted_drafts)),
                 "eh_proj_spec": str(model.mtp[0].eh_proj[...].sharding.spec),

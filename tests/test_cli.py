@@ -93,3 +93,32 @@ def test_forward_reports_and_saves_selections(capsys, demo_dir, tmp_path):
   assert all(data[name].shape[:2] == (1, length) and data[name].dtype == np.int32 for name in layers)
   assert cli.main(["forward", str(demo_dir), "--prompt-file", str(prompt), "--prompt-ids", "1"]) == 2
   assert "not both" in capsys.readouterr().err
+
+
+def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_path):
+  """--speculative K (with and without an image) prints generate_speculative's tokens and its acceptance."""
+  import m3jax
+  from PIL import Image
+  from m3jax.commands.generate import _multimodal_prompt
+  from m3jax.speculative import generate_speculative
+  from m3jax.tokenizer import generation_eos_ids
+  from m3jax.vision import IMAGE_MARKER
+  path = tmp_path / "img.png"
+  Image.fromarray((np.random.default_rng(3).random((40, 60, 3)) * 255).astype("uint8")).save(path)
+  tok = load_tokenizer(demo_dir)
+  model = m3jax.load(demo_dir, with_mtp=True)
+  text = render_chat(demo_dir, "Describe.")
+  for images in ([], [str(path)]):
+    assert cli.main(["generate", str(demo_dir), "--prompt", "Describe.", "--chat", "--max-new-tokens", "12",
+                     "--speculative", "2", "--steps-per-call", "2", *sum((["--image", p] for p in images), [])]) == 0
+    out, err = capsys.readouterr()
+    if images:
+      ids, embeds = _multimodal_prompt(model, tok, render_chat(demo_dir, IMAGE_MARKER + "Describe."), images)
+    else:
+      ids, embeds = tok.encode(text, add_special_tokens=False).ids, None
+    eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + generation_eos_ids(demo_dir)))
+    ref = generate_speculative(model, [ids], max_new_tokens=12, num_draft_tokens=2, eos_token_ids=eos,
+                               prompt_embeds=embeds)
+    assert out.rstrip("\n") == tok.decode(ref.tokens[0, : ref.lengths[0]].tolist(), skip_special_tokens=False)
+    assert f"generated {ref.lengths[0]} in {ref.rounds[0]} verification rounds of 2 drafts" in err
+    assert f"acceptance {ref.acceptance_rate:.2f}" in err

@@ -274,10 +274,11 @@ def test_two_processes_reproduce_single_process_logits():
 
 def test_sharded_speculative_decoding_matches_one_device():
   """MTP weights restored into their shards (the module's layer split like a decoder layer) and speculative
-  decoding under tensor, expert, data x tensor and sequence-parallel plans: same tokens, drafts and acceptance."""
+  decoding (one program, and streamed) under tensor, expert, data x tensor and sequence-parallel plans: same
+  tokens, drafts and acceptance."""
   meshes = ["tensor=8", "expert=8", "data=2,tensor=4", "expert=4,tensor=2+sp"]
   result = run_worker("speculative", *meshes)
   assert 0.2 < result["acceptance"] < 0.95, result["acceptance"]
   for mesh in meshes:
-    assert result[mesh]["tokens_equal"] and result[mesh]["drafts_equal"], (mesh, result[mesh])
+    assert all(result[mesh][k] for k in ("tokens_equal", "drafts_equal", "stream_equal")), (mesh, result[mesh])
   assert "tensor" in result["tensor=8"]["mtp_q_proj_spec"], result["tensor=8"]

@@ -19,7 +19,7 @@ from m3jax.checkpoint.writer import write_checkpoint
 from m3jax.layers.norms import gemma_rms_norm
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.sampling import SamplingParams, filtered_logits
-from m3jax.speculative import generate_speculative
+from m3jax.speculative import generate_speculative, generate_speculative_stream
 
 PROMPTS = [list(range(5, 45)), list(range(3, 20)), [44]]  # 40 / 17 / 1 tokens; block 16, top-2 blocks
 
@@ -269,3 +269,65 @@ def test_every_draft_equals_a_cache_free_mtp_chain(drafter):
         checked += 1
       p += int(out.accepted_drafts[b, r]) + 1
   assert checked == 3 * 8 * k
+
+
+@pytest.mark.parametrize("temperature, k, rounds_per_call", [(0.0, 2, 1), (0.0, 3, 3), (1.0, 2, 2)])
+def test_streamed_speculative_tokens_equal_generate_speculative(temperature, k, rounds_per_call):
+  """The streamed chunks, concatenated per sequence, are generate_speculative's tokens (greedy and sampled, one
+  or several rounds per call, a stop token and ragged prompts), and the stats match its record."""
+  model = _drafting_model(0.3)
+  kw = dict(max_new_tokens=30, num_draft_tokens=k, temperature=temperature, top_k=5, seed=4)
+  free = generate_speculative(model, PROMPTS, eos_token_ids=(), **kw)
+  stop = int(free.tokens[1, 11])  # row 1 stops early; the others may too
+  ref = generate_speculative(model, PROMPTS, eos_token_ids=(stop,), **kw)
+  assert ref.lengths[1] <= 12 and ref.lengths.max() == 30
+  stats: dict = {}
+  chunks = list(generate_speculative_stream(model, PROMPTS, eos_token_ids=(stop,), rounds_per_call=rounds_per_call,
+                                            stats=stats, **kw))
+  assert all(len(c) == 3 for c in chunks) and all(len(t) == 1 for t in chunks[0])
+  for b in range(3):
+    got = np.concatenate([c[b] for c in chunks])
+    np.testing.assert_array_equal(got, ref.tokens[b, : ref.lengths[b]])
+  np.testing.assert_array_equal(stats["rounds"], ref.rounds)
+  np.testing.assert_array_equal(stats["accepted"], ref.accepted)
+  # Each call runs rounds_per_call rounds of <= k + 1 tokens per sequence.
+  assert max(len(c[b]) for c in chunks[1:] for b in range(3)) <= rounds_per_call * (k + 1)
+  assert len(chunks) - 1 >= -(-int(ref.rounds.max()) // rounds_per_call)
+  with pytest.raises(ValueError, match="rounds_per_call"):
+    next(generate_speculative_stream(model, PROMPTS, max_new_tokens=4, rounds_per_call=0))
+
+
+def test_multimodal_speculative_decoding():
+  """With image embeddings: greedy tokens equal generate's (prompt_embeds), the stream's too, and every round's
+  d_1 is the MTP's over the sequence's embeddings shifted by one (image features where the next token is an
+  image placeholder, not the placeholder's token embedding). The MTP layer's attention is amplified so that
+  what it reads at the image positions decides its drafts."""
+  model = m3jax.M3ForCausalLM(m3jax.tiny(vision=True, mtp=True), dtype=jnp.float32, rngs=nnx.Rngs(5),
+                              with_vision=True, with_mtp=True, kernels="reference")
+  _scale(model.mtp[0].layer.attn.o_proj, 8.0)
+  image = model.config.image_token_id
+  ids = np.asarray([[7, 9, image, image, 8, 30, 31, 32, 33, 34, 35]], np.int32)
+  px = np.random.default_rng(0).normal(size=(8, 1176)).astype(np.float32)
+  embeds = model.embed_multimodal(ids, pixel_values=px, image_grid_thw=[[1, 2, 4]])
+  ref = m3jax.generate(model, ids, max_new_tokens=12, eos_token_ids=(), prompt_embeds=embeds)
+  out = generate_speculative(model, ids, max_new_tokens=12, num_draft_tokens=2, eos_token_ids=(), prompt_embeds=embeds)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  streamed = list(generate_speculative_stream(model, ids, max_new_tokens=12, num_draft_tokens=2, eos_token_ids=(),
+                                              prompt_embeds=embeds))
+  np.testing.assert_array_equal(np.concatenate([c[0] for c in streamed]), ref.tokens[0])
+  # Every round's d_1 from a cache-free MTP pass over the final sequence up to that round's position.
+  seq = np.concatenate([ids[0], ref.tokens[0]])
+  seq_embeds = jnp.concatenate([embeds[0], model.embed_tokens(jnp.asarray(ref.tokens))[0]], axis=0)
+  hidden = model.forward(jnp.asarray(seq[None]), inputs_embeds=seq_embeds[None]).hidden[0]
+  p, mismatched_by_tokens = ids.shape[1], 0
+  for r in range(out.drafts.shape[1]):
+    pos = jnp.arange(p, dtype=jnp.int32)[None]
+    args = (jnp.asarray(seq[None, 1:p + 1]), hidden[None, :p])
+    with_images = model.mtp_forward(*args, positions=pos, next_embeds=seq_embeds[None, 1:p + 1]).logits[0, -1]
+    tokens_only = model.mtp_forward(*args, positions=pos).logits[0, -1]
+    assert out.drafts[0, r, 0] == int(jnp.argmax(with_images)), r
+    mismatched_by_tokens += int(jnp.argmax(tokens_only)) != out.drafts[0, r, 0]
+    p += int(out.accepted_drafts[0, r]) + 1
+  assert mismatched_by_tokens > 0  # reading token embeddings at the image positions would draft otherwise
+  with pytest.raises(ValueError, match="next_embeds has shape"):
+    model.mtp_forward(*args, positions=pos, next_embeds=args[1][:, 1:])

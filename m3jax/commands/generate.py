@@ -33,10 +33,11 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   p.add_argument("--steps-per-call", type=int, default=4,
                  help="decode steps per device call (default 4): tokens stream in groups of this size, and the "
-                      "per-call host cost (milliseconds at full size) is paid once per group; 1 = token by token")
+                      "per-call host cost (milliseconds at full size) is paid once per group; 1 = token by token. "
+                      "With --speculative: verification rounds per call")
   p.add_argument("--speculative", type=int, default=0, metavar="K",
                  help="speculative decoding with the checkpoint's MTP module, K draft tokens per round (loads it "
-                      "with with_mtp; one jit-compiled program, printed when done); 0 = off (default)")
+                      "with with_mtp); 0 = off (default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,8 +47,6 @@ def run(args: argparse.Namespace) -> int:
 
   if args.prompt is None and args.prompt_ids is None:
     raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
-  if args.speculative and args.image:
-    raise ValueError("--speculative does not take --image prompts yet")
   if args.speculative < 0:
     raise ValueError(f"--speculative must be >= 0, got {args.speculative}")
   if hasattr(args, "mesh"):
@@ -78,29 +77,19 @@ def run(args: argparse.Namespace) -> int:
       tokenizer = None
   eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
   if args.speculative:
-    return _run_speculative(args, model, ids, eos, tokenizer)
+    return _run_speculative(args, model, ids, eos, tokenizer, prompt_embeds)
   timings: dict[str, float] = {}
   start = time.perf_counter()
   first_token_at = None
   new_ids: list[int] = []
-  printed = ""
   for step_tokens in generate_stream(model, [ids], max_new_tokens=args.max_new_tokens,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                      seed=args.seed, eos_token_ids=eos, timings=timings,
                                      prompt_embeds=prompt_embeds, steps_per_call=args.steps_per_call):
-    if first_token_at is None:
-      first_token_at = time.perf_counter()
-    token = int(step_tokens[0])
-    if token < 0:
+    first_token_at = first_token_at or time.perf_counter()
+    if int(step_tokens[0]) < 0:
       break
-    new_ids.append(token)
-    if tokenizer is None:
-      sys.stdout.write(f"{token} ")
-    else:
-      text = tokenizer.decode(new_ids, skip_special_tokens=False)
-      sys.stdout.write(text[len(printed):])
-      printed = text
-    sys.stdout.flush()
+    _write_tokens(tokenizer, new_ids, [int(step_tokens[0])])
   end = time.perf_counter()
   sys.stdout.write("\n")
   sys.stdout.flush()
@@ -115,22 +104,44 @@ def run(args: argparse.Namespace) -> int:
   return 0
 
 
-def _run_speculative(args: argparse.Namespace, model, ids: list[int], eos: tuple[int, ...], tokenizer) -> int:
-  """Generates with MTP speculative decoding in one program; prints the completion and the acceptance figures."""
-  from m3jax.speculative import generate_speculative  # pylint: disable=g-import-not-at-top
+def _run_speculative(args: argparse.Namespace, model, ids: list[int], eos: tuple[int, ...], tokenizer,
+                     prompt_embeds) -> int:
+  """Streams a completion with MTP speculative decoding; prints the acceptance figures on stderr."""
+  from m3jax.speculative import generate_speculative_stream  # pylint: disable=g-import-not-at-top
 
+  stats: dict = {}
   start = time.perf_counter()
-  out = generate_speculative(model, [ids], max_new_tokens=args.max_new_tokens, num_draft_tokens=args.speculative,
-                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                             eos_token_ids=eos)
-  elapsed = time.perf_counter() - start
-  new_ids = out.tokens[0, : out.lengths[0]].tolist()
-  text = " ".join(map(str, new_ids)) if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=False)
-  print(text)
-  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(new_ids)} in {int(out.rounds[0])} verification rounds "
-        f"of {args.speculative} drafts: acceptance {out.acceptance_rate:.2f}, {out.tokens_per_round:.2f} tokens per "
-        f"target forward; {elapsed:.3f}s (compilation included)", file=sys.stderr)
+  first_token_at = None
+  new_ids: list[int] = []
+  for chunk in generate_speculative_stream(model, [ids], max_new_tokens=args.max_new_tokens,
+                                           num_draft_tokens=args.speculative, temperature=args.temperature,
+                                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=eos,
+                                           prompt_embeds=prompt_embeds, rounds_per_call=args.steps_per_call,
+                                           stats=stats):
+    first_token_at = first_token_at or time.perf_counter()
+    _write_tokens(tokenizer, new_ids, chunk[0].tolist())
+  end = time.perf_counter()
+  sys.stdout.write("\n")
+  sys.stdout.flush()
+  rounds, accepted = int(stats["rounds"][0]), int(stats["accepted"][0])
+  decode_s = end - first_token_at
+  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(new_ids)} in {rounds} verification rounds of "
+        f"{args.speculative} drafts: acceptance {accepted / max(rounds * args.speculative, 1):.2f}, "
+        f"{(len(new_ids) - 1) / max(rounds, 1):.2f} tokens per target forward; time to first token "
+        f"{first_token_at - start:.3f}s; decode {(len(new_ids) - 1) / decode_s if decode_s > 0 else float('nan'):.1f} "
+        "tok/s (first call includes compilation)", file=sys.stderr)
   return 0
+
+
+def _write_tokens(tokenizer, new_ids: list[int], tokens: list[int]) -> None:
+  """Appends ``tokens`` to ``new_ids`` and writes their text (ids without a tokenizer) to stdout."""
+  printed = "" if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=False)
+  new_ids.extend(tokens)
+  if tokenizer is None:
+    sys.stdout.write("".join(f"{t} " for t in tokens))
+  else:
+    sys.stdout.write(tokenizer.decode(new_ids, skip_special_tokens=False)[len(printed):])
+  sys.stdout.flush()
 
 
 def _multimodal_prompt(model, tokenizer, text: str, images: list[str]):
