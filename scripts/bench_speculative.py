@@ -12,6 +12,7 @@ E(a, k) = (1 - a^(k+1)) / (1 - a) tokens, and speculation is faster by E(a, k) x
 
   PYTHONPATH=$PWD XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/bench_speculative.py --one-shard 8 \\
       --concurrency 4 --drafts 1,2,3 --out $OUT/spec.json
+  --stream-prompt 256 also times generate_speculative_stream (rounds_per_call 1 and 4) against those rounds.
   CPU smoke:  JAX_PLATFORMS=cpu PYTHONPATH=$PWD python3 scripts/bench_speculative.py --smoke
 """
 
@@ -34,7 +35,7 @@ from m3jax import sharding
 from m3jax.generate import _decode
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, sample
-from m3jax.speculative import speculative_round
+from m3jax.speculative import generate_speculative_stream, speculative_round
 
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -67,6 +68,11 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=16, help="rounds / steps per timed call")
   parser.add_argument("--kernels", default="auto")
   parser.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the flow)")
+  parser.add_argument("--stream-prompt", type=int, default=0, metavar="TOKENS",
+                      help="also time m3jax.speculative.generate_speculative_stream (host loop of jitted calls) on "
+                           "random prompts of this many tokens, per round, beside the on-device loop")
+  parser.add_argument("--stream-rounds-per-call", default="1,4", help="rounds_per_call values for --stream-prompt")
+  parser.add_argument("--stream-calls", type=int, default=8, help="calls per stream timing (first 2 not timed)")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
 
@@ -160,6 +166,36 @@ def main() -> None:
             "projected speedup at acceptance " + ", ".join(f"{a}: {v:.2f}x" for a, v in proj.items()), flush=True)
       report["rows"] = [r for r in report["rows"] if r["concurrency"] != c] + [row]
       save()
+      for n in [int(v) for v in args.stream_rounds_per_call.split(",") if v] if args.stream_prompt else []:
+        stream = stream_round_ms(model, c, 32 if args.smoke else args.stream_prompt, k, args.stream_calls, n)
+        row["rounds"][str(k)][f"stream_{n}"] = stream
+        print(f"  k={k} generate_speculative_stream, {n} rounds per call: {stream['round_ms']:.3f} ms per round "
+              f"({stream['round_ms'] / per_round:.2f}x the on-device loop's round; slowest call "
+              f"{stream['call_ms_max']:.2f} ms)", flush=True)
+        save()
+
+
+def stream_round_ms(model: M3ForCausalLM, batch: int, prompt_len: int, k: int, calls: int, rounds_per_call: int
+                    ) -> dict:
+  """Wall time per round of ``generate_speculative_stream`` (random prompts, no stop token), from the end of its
+  2nd call (compile and pipeline fill excluded) to the end of call ``calls``."""
+  if calls < 4:
+    raise ValueError(f"--stream-calls must be >= 4, got {calls}")
+  prompts = np.random.default_rng(0).integers(0, model.config.text.vocab_size, (batch, prompt_len), dtype=np.int32)
+  stats: dict = {}
+  stamps, rounds = [], []
+  stream = generate_speculative_stream(model, prompts, max_new_tokens=(calls + 2) * rounds_per_call * (k + 1) + 2,
+                                       num_draft_tokens=k, temperature=1.0, eos_token_ids=(),
+                                       rounds_per_call=rounds_per_call, stats=stats)
+  for _ in stream:  # chunk 0 is the prefill's token, chunk i the i-th call's
+    stamps.append(time.perf_counter())
+    rounds.append(int(stats["rounds"].max()))
+    if len(stamps) > calls:
+      break
+  stream.close()
+  call_ms = np.diff(stamps[2:]) * 1e3
+  return {"round_ms": (stamps[-1] - stamps[2]) * 1e3 / (rounds[-1] - rounds[2]), "call_ms_max": float(call_ms.max()),
+          "rounds_per_call": rounds_per_call, "calls_timed": len(call_ms), "prompt_len": prompt_len}
 
 
 if __name__ == "__main__":

@@ -378,7 +378,7 @@ def test_balance_routing_evens_out_a_skewed_router():
 def test_bench_speculative_smoke(tmp_path):
   out = tmp_path / "spec.json"
   run_script("scripts/bench_speculative.py", "--smoke", "--rounds", "3", "--concurrency", "2", "--drafts", "1,2",
-             "--out", str(out))
+             "--stream-prompt", "32", "--stream-rounds-per-call", "2", "--stream-calls", "4", "--out", str(out))
   r = json.loads(out.read_text())
   (row,) = r["rows"]
   assert row["concurrency"] == 2 and row["step_ms"] > 0 and set(row["rounds"]) == {"1", "2"}
@@ -387,3 +387,5 @@ def test_bench_speculative_smoke(tmp_path):
     assert 0.0 <= rd["acceptance_on_random_weights"] <= 1.0
     expected = (1 - 0.7 ** (int(k) + 1)) / (1 - 0.7) * row["step_ms"] / rd["round_ms"]
     assert rd["projected_speedup"]["0.7"] == pytest.approx(expected)
+    stream = rd["stream_2"]  # 4 calls of 2 rounds, the first 2 untimed
+    assert stream["round_ms"] > 0 and stream["calls_timed"] == 2 and stream["call_ms_max"] > 0
