@@ -329,10 +329,10 @@ def generate_speculative_stream(
   decoder = Decoder.of(model)
   put = decoder.put
   eos_ids = put(stop_ids(model, eos_token_ids))
-  carry, mtp_prepared, summary = _start_jit(decoder.graph, decoder.params, put(padded), put(lengths),
-                                   put(jax.random.key(seed)), eos_ids, put(np.int32(0)),
-                                   _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens,
-                                   num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
+  carry, mtp_prepared, summary = _start_jit(
+      decoder.graph, decoder.params, put(padded), put(lengths), put(jax.random.key(seed)), eos_ids, put(np.int32(0)),
+      _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens, num_draft=num_draft_tokens,
+      sampling=sampling, cache_len=cache_len)
   caches, mtp_caches = carry.pop("caches"), carry.pop("mtp_caches")
   shown = np.zeros(len(lengths), np.int64)  # tokens yielded per sequence
   done, chunk = _read(summary, shown, stats)
