@@ -1,4 +1,5 @@
-"""Speculative decoding with M3's MTP modules (M3_SPEC §8), the whole loop in one jit-compiled program.
+"""Speculative decoding with M3's MTP modules (M3_SPEC §8): the whole loop in one jit-compiled program
+(``generate_speculative``), or streamed by jitted calls of a few rounds each (``generate_speculative_stream``).
 
 Each round, for every sequence whose next token x_p is known but not yet run through the target:
   1. draft: the MTP module proposes d_1 (from x_p and the target's hidden state at p - 1), then d_2 .. d_k, each
