@@ -112,15 +112,71 @@ def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max
   return -(-need // _CACHE_ALIGN) * _CACHE_ALIGN
 
 
+def check_prefill_chunk(prefill_chunk: int | None) -> None:
+  """A prefill chunk must be a power of two >= 16, so that it divides every prompt bucket it is shorter than."""
+  if prefill_chunk is not None and (prefill_chunk < _MIN_BUCKET or prefill_chunk & (prefill_chunk - 1)):
+    raise ValueError(f"prefill_chunk must be a power of two >= {_MIN_BUCKET}, got {prefill_chunk}")
+
+
+def prefill_in_chunks(run, inputs: tuple[jax.Array | None, ...], lengths: jax.Array, caches: tuple,
+                      chunk: int | None):
+  """Runs a prefill over right-padded prompts in chunks of ``chunk`` tokens (all at once when chunk is None or
+  >= the prompt length S), each chunk at its own positions, writing the caches and attending over them: chunk c
+  reads the keys of chunks 0 .. c. The chunks run in a ``lax.scan`` (one compiled forward), so peak activation
+  memory is a chunk's.
+
+  Args:
+    run: (inputs_c, positions int32 [B, N], caches, at int32 [B]) -> (rows, tokens, caches), where inputs_c are
+      ``inputs`` cut to the chunk ([B, N, ...]; None stays None), ``rows`` a pytree of [B, ...] values taken at
+      index ``at`` of each row, ``tokens`` a pytree of [B, N, ...] values per token.
+    inputs: [B, S, ...] arrays (or None).
+    lengths: int32 [B] prompt lengths; ``rows`` are kept from the chunk that holds each row's last token.
+
+  Returns:
+    (rows at each row's position lengths - 1, tokens over all S positions [B, S, ...], caches).
+  """
+  b, s = next(x for x in inputs if x is not None).shape[:2]
+  last = lengths - 1
+  if chunk is None or chunk >= s:
+    return run(inputs, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), caches, last)
+  n = s // chunk
+  xs = tuple(None if x is None else jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0) for x in inputs)
+  offsets = jnp.arange(chunk, dtype=jnp.int32)
+
+  def step(c, x_c, caches):
+    return run(x_c, jnp.broadcast_to(c * chunk + offsets, (b, chunk)), caches, jnp.clip(last - c * chunk, 0, chunk - 1))
+
+  first_chunk = tuple(None if x is None else x[0] for x in xs)
+  rows = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                      jax.eval_shape(lambda: step(jnp.int32(0), first_chunk, caches)[0]))
+
+  def body(carry, c_x):
+    rows, caches = carry
+    c, x_c = c_x
+    new_rows, tokens, caches = step(c, x_c, caches)
+    mine = last // chunk == c
+    rows = jax.tree.map(lambda old, new: jnp.where(mine.reshape((b,) + (1,) * (new.ndim - 1)), new, old),
+                        rows, new_rows)
+    return (rows, caches), tokens
+
+  (rows, caches), tokens = jax.lax.scan(body, (rows, caches), (jnp.arange(n, dtype=jnp.int32), xs))
+  tokens = jax.tree.map(lambda t: jnp.moveaxis(t, 0, 1).reshape(b, s, *t.shape[3:]), tokens)
+  return rows, tokens, caches
+
+
 def _prefill(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, cache_len: int,
-             embeds: jax.Array | None = None) -> tuple[jax.Array, tuple]:
+             embeds: jax.Array | None = None, chunk: int | None = None) -> tuple[jax.Array, tuple]:
   """prompt int32 [B, S], lengths [B] (embeds [B, S, H] for multimodal prompts) -> (logits fp32 [B, V] at each
-  last prompt token, caches)."""
-  b, s = prompt.shape
-  caches = model.init_caches(b, cache_len)
-  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  out = model.forward(prompt, positions=positions, caches=caches, logits_at=lengths - 1, inputs_embeds=embeds)
-  return out.logits[:, 0], out.caches
+  last prompt token, caches); ``chunk``: prefill in chunks of this many tokens (``prefill_in_chunks``)."""
+
+  def run(x, positions, caches, at):
+    ids, emb = x
+    out = model.forward(ids, positions=positions, caches=caches, logits_at=at, inputs_embeds=emb)
+    return out.logits[:, 0], (), out.caches
+
+  logits, _, caches = prefill_in_chunks(run, (prompt, embeds), lengths, model.init_caches(prompt.shape[0], cache_len),
+                                        chunk)
+  return logits, caches
 
 
 def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, caches: tuple,
@@ -131,13 +187,13 @@ def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, cache
   return out.logits[:, 0], out.caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "cache_len", "chunk"))
 def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
-                  sampling: SamplingParams, cache_len: int):
+                  sampling: SamplingParams, cache_len: int, chunk: int | None):
   """The whole generation loop (prefill + lax.while_loop of decode steps) as one XLA program."""
   model = nnx.merge(graphdef, state)
   b = prompt.shape[0]
-  logits, caches = _prefill(model, prompt, lengths, cache_len, embeds)
+  logits, caches = _prefill(model, prompt, lengths, cache_len, embeds, chunk)
   prepared = model.decode_weights()  # once, not per step (XLA:GPU does not hoist them out of the loop)
 
   def cond(carry):
@@ -173,6 +229,7 @@ def generate(
     pad_token_id: int = 0,
     max_length: int | None = None,
     prompt_embeds: jax.Array | None = None,
+    prefill_chunk: int | None = None,
 ) -> GenerateOutput:
   """Generates up to ``max_new_tokens`` for each prompt in one jit-compiled program.
 
@@ -188,10 +245,14 @@ def generate(
       prompt (+ max_new_tokens) that does not fit is an error before compute.
     prompt_embeds: optional [B, S, H] prompt embeddings replacing the token embeddings (images / videos:
       ``model.embed_multimodal``); prompt_ids still give the lengths and are checked.
+    prefill_chunk: prefill the prompts in chunks of this many tokens (a power of two >= 16), each attending to
+      the cache of the ones before, which bounds the prefill's activation memory by a chunk's; None (default):
+      the whole prompt bucket in one forward. The tokens are the same up to floating-point reassociation.
 
   Returns:
     GenerateOutput(tokens [B, max_new_tokens], lengths [B]).
   """
+  check_prefill_chunk(prefill_chunk)
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   padded, lengths = pad_prompts(prompt_ids, pad_token_id)
   cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
@@ -201,13 +262,13 @@ def generate(
   tokens, new_lengths = _generate_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)), put(eos_arr),
       put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens,
-      sampling=sampling, cache_len=cache_len)
+      sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
   return GenerateOutput(tokens=np.asarray(tokens), lengths=np.asarray(new_lengths))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len"))
-def _prefill_jit(graphdef, state, prompt, lengths, embeds, *, cache_len: int):
-  return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len, embeds)
+@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "chunk"))
+def _prefill_jit(graphdef, state, prompt, lengths, embeds, *, cache_len: int, chunk: int | None):
+  return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len, embeds, chunk)
 
 
 class _GraphKey:
@@ -330,17 +391,20 @@ class PrefillOutput:
 
 
 def prefill(model: M3ForCausalLM, prompt_ids: Sequence[Sequence[int]] | np.ndarray, *, max_new_tokens: int,
-            max_length: int | None = None, prompt_embeds: jax.Array | None = None) -> PrefillOutput:
-  """Jit-compiled prefill of (ragged) prompts into fresh caches sized for ``max_new_tokens`` more tokens.
+            max_length: int | None = None, prompt_embeds: jax.Array | None = None,
+            prefill_chunk: int | None = None) -> PrefillOutput:
+  """Jit-compiled prefill of (ragged) prompts into fresh caches sized for ``max_new_tokens`` more tokens
+  (``prefill_chunk`` as in ``generate``).
 
   Use with ``decode_step`` to drive decoding yourself (``generate`` does both in one program).
   """
+  check_prefill_chunk(prefill_chunk)
   padded, lengths = pad_prompts(prompt_ids)
   cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),
-                                cache_len=cache_len)
+                                cache_len=cache_len, chunk=prefill_chunk)
   return PrefillOutput(logits=logits, caches=caches, lengths=lengths)
 
 
@@ -358,6 +422,7 @@ def generate_stream(
     timings: dict[str, float] | None = None,
     prompt_embeds: jax.Array | None = None,
     steps_per_call: int = 1,
+    prefill_chunk: int | None = None,
 ) -> Iterator[np.ndarray]:
   """Like ``generate``, yielding int32 tokens [B] as they are produced (jitted prefill + decode steps).
 
@@ -375,7 +440,7 @@ def generate_stream(
   eos = list(set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids))
   start = time.perf_counter()
   prefilled = prefill(model, prompt_ids, max_new_tokens=max_new_tokens, max_length=max_length,
-                      prompt_embeds=prompt_embeds)
+                      prompt_embeds=prompt_embeds, prefill_chunk=prefill_chunk)
   logits, caches, lengths = prefilled.logits, prefilled.caches, prefilled.lengths
   if timings is not None:
     logits.block_until_ready()

@@ -35,7 +35,8 @@ import numpy as np
 from flax import nnx
 
 from m3jax import sharding
-from m3jax.generate import Decoder, _GraphKey, _put_embeds, _put_fn, _validate, pad_prompts, stop_ids
+from m3jax.generate import (Decoder, _GraphKey, _put_embeds, _put_fn, _validate, check_prefill_chunk, pad_prompts,
+                            prefill_in_chunks, stop_ids)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, filtered_logits, sample
 
@@ -153,16 +154,21 @@ def speculative_round(model: M3ForCausalLM, c: dict[str, jax.Array], prepared, m
 
 def _start(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, key: jax.Array, eos_ids: jax.Array,
            pad_id: jax.Array, embeds: jax.Array | None, *, max_new_tokens: int, num_draft: int,
-           sampling: SamplingParams, cache_len: int) -> dict[str, jax.Array]:
+           sampling: SamplingParams, cache_len: int, chunk: int | None = None) -> dict[str, jax.Array]:
   """Prefill of the target and of the MTP module -> the round loop's initial carry (``speculative_round``).
-  prompt int32 [B, S] right-padded, lengths [B]; embeds: optional multimodal prompt embeddings [B, S, H]."""
-  b, s = prompt.shape
+  prompt int32 [B, S] right-padded, lengths [B]; embeds: optional multimodal prompt embeddings [B, S, H];
+  chunk: both prefills in chunks of this many tokens (``generate.prefill_in_chunks``)."""
+  b = prompt.shape[0]
   rows = jnp.arange(b)
-  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  out = model.forward(prompt, positions=positions, caches=model.init_caches(b, cache_len), logits_at=lengths - 1,
-                      inputs_embeds=embeds)
+
+  def target(x, positions, caches, at):
+    ids, emb = x
+    out = model.forward(ids, positions=positions, caches=caches, logits_at=at, inputs_embeds=emb)
+    return out.logits[:, 0], out.hidden, out.caches
+
+  logits, hidden, caches = prefill_in_chunks(target, (prompt, embeds), lengths, model.init_caches(b, cache_len), chunk)
   key, sub = jax.random.split(key)
-  first = sample(out.logits[:, 0], sub, sampling)
+  first = sample(logits, sub, sampling)
   # MTP prefill: position t reads x_{t+1} (the prompt shifted left, then the first new token) and h_t. A
   # multimodal prompt's drafter reads its embeddings shifted the same way (image features where x_{t+1} is an
   # image token), as vLLM's proposer gathers them.
@@ -171,23 +177,30 @@ def _start(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, key: jax
   if embeds is not None:
     next_embeds = jnp.concatenate([embeds[:, 1:], jnp.zeros_like(embeds[:, :1])], axis=1)
     next_embeds = next_embeds.at[rows, lengths - 1].set(model.embed_tokens(first[:, None])[:, 0].astype(embeds.dtype))
-  mtp = model.mtp_forward(next_ids, out.hidden, positions=positions, caches=model.init_mtp_caches(b, cache_len),
-                          logits_at=lengths - 1, next_embeds=next_embeds)
+
+  def drafter(x, positions, caches, at):
+    ids, h, emb = x
+    out = model.mtp_forward(ids, h, positions=positions, caches=caches, logits_at=at, next_embeds=emb)
+    return (out.logits[:, 0], out.hidden[:, 0]), (), out.caches
+
+  (draft_logits, mtp_hidden), _, mtp_caches = prefill_in_chunks(
+      drafter, (next_ids, hidden, next_embeds), lengths, model.init_mtp_caches(b, cache_len), chunk)
   # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 rounds follow the prefill.
   max_rounds = max(max_new_tokens - 1, 1)
   return dict(key=key, tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
               produced=jnp.ones((b,), jnp.int32), done=jnp.isin(first, eos_ids) | (max_new_tokens <= 1),
-              caches=out.caches, mtp_caches=mtp.caches, draft_logits=mtp.logits[:, 0], mtp_hidden=mtp.hidden[:, 0],
+              caches=caches, mtp_caches=mtp_caches, draft_logits=draft_logits, mtp_hidden=mtp_hidden,
               p=lengths, x_p=first, round=jnp.int32(0), drafts=jnp.full((b, max_rounds, num_draft), -1, jnp.int32),
               accepted=jnp.full((b, max_rounds), -1, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len",
+                                             "chunk"))
 def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
-                     num_draft: int, sampling: SamplingParams, cache_len: int):
+                     num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None):
   model = nnx.merge(graphdef, state)
   init = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
-                num_draft=num_draft, sampling=sampling, cache_len=cache_len)
+                num_draft=num_draft, sampling=sampling, cache_len=cache_len, chunk=chunk)
   prepared, mtp_prepared = model.decode_weights(), model.mtp_decode_weights()
 
   def cond(carry):
@@ -204,9 +217,10 @@ def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, emb
 
 
 def _prepare(model: M3ForCausalLM, prompt_ids, num_draft_tokens: int, max_new_tokens: int, max_length: int | None,
-             pad_token_id: int, temperature: float, top_k: int | None, top_p: float | None
-             ) -> tuple[SamplingParams, np.ndarray, np.ndarray, int]:
+             pad_token_id: int, temperature: float, top_k: int | None, top_p: float | None,
+             prefill_chunk: int | None) -> tuple[SamplingParams, np.ndarray, np.ndarray, int]:
   """Checks the request before any compute -> (sampling, padded prompts, lengths, cache length)."""
+  check_prefill_chunk(prefill_chunk)
   if model.mtp is None:
     raise ValueError("speculative decoding needs the model's MTP modules: load it with with_mtp=True")
   if num_draft_tokens < 1:
@@ -235,6 +249,7 @@ def generate_speculative(
     pad_token_id: int = 0,
     max_length: int | None = None,
     prompt_embeds: jax.Array | None = None,
+    prefill_chunk: int | None = None,
 ) -> SpeculativeOutput:
   """``generate`` with MTP speculative decoding: each round drafts ``num_draft_tokens`` tokens with the model's
   MTP module and verifies them in one target forward (one jit-compiled program, like ``generate``).
@@ -242,30 +257,32 @@ def generate_speculative(
   The model needs its MTP modules (``m3jax.load(path, with_mtp=True)``). Greedy decoding gives ``generate``'s
   tokens; sampling gives the same distribution (module docstring). The cache holds num_draft_tokens more slots
   than ``generate``'s (the verification window). Arguments are as in ``generate``; with ``prompt_embeds``
-  (images / videos) the MTP module also reads them, shifted by one position.
+  (images / videos) the MTP module also reads them, shifted by one position; ``prefill_chunk`` chunks the
+  target's and the MTP's prefill alike.
 
   Returns:
     SpeculativeOutput (tokens, lengths, and every round's drafts and acceptance counts).
   """
   sampling, padded, lengths, cache_len = _prepare(model, prompt_ids, num_draft_tokens, max_new_tokens, max_length,
-                                                  pad_token_id, temperature, top_k, top_p)
+                                                  pad_token_id, temperature, top_k, top_p, prefill_chunk)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   tokens, produced, rounds, drafts, accepted = _speculative_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)),
       put(stop_ids(model, eos_token_ids)), put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded),
-      max_new_tokens=max_new_tokens, num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len)
+      max_new_tokens=max_new_tokens, num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len,
+      chunk=prefill_chunk)
   r = int(rounds)
   return SpeculativeOutput(tokens=np.asarray(tokens), lengths=np.asarray(produced), drafts=np.asarray(drafts)[:, :r],
                            accepted_drafts=np.asarray(accepted)[:, :r])
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "max_new_tokens", "num_draft", "sampling", "cache_len"))
+@functools.partial(jax.jit, static_argnames=("graph", "max_new_tokens", "num_draft", "sampling", "cache_len", "chunk"))
 def _start_jit(graph: _GraphKey, params, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
-               num_draft: int, sampling: SamplingParams, cache_len: int):
+               num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None):
   model = graph.merge(params)
   carry = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
-                 num_draft=num_draft, sampling=sampling, cache_len=cache_len)
+                 num_draft=num_draft, sampling=sampling, cache_len=cache_len, chunk=chunk)
   return carry, model.mtp_decode_weights(), _summary(carry, model.sharding_plan)
 
 
@@ -312,6 +329,7 @@ def generate_speculative_stream(
     prompt_embeds: jax.Array | None = None,
     rounds_per_call: int = 1,
     stats: dict[str, np.ndarray] | None = None,
+    prefill_chunk: int | None = None,
 ) -> Iterator[list[np.ndarray]]:
   """``generate_speculative``, yielding tokens as the rounds produce them (jitted prefill, then jitted calls of
   ``rounds_per_call`` rounds each).
@@ -326,14 +344,14 @@ def generate_speculative_stream(
   if rounds_per_call < 1:
     raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
   sampling, padded, lengths, cache_len = _prepare(model, prompt_ids, num_draft_tokens, max_new_tokens, max_length,
-                                                  0, temperature, top_k, top_p)
+                                                  0, temperature, top_k, top_p, prefill_chunk)
   decoder = Decoder.of(model)
   put = decoder.put
   eos_ids = put(stop_ids(model, eos_token_ids))
   carry, mtp_prepared, summary = _start_jit(
       decoder.graph, decoder.params, put(padded), put(lengths), put(jax.random.key(seed)), eos_ids, put(np.int32(0)),
       _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens, num_draft=num_draft_tokens,
-      sampling=sampling, cache_len=cache_len)
+      sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
   caches, mtp_caches = carry.pop("caches"), carry.pop("mtp_caches")
   shown = np.zeros(len(lengths), np.int64)  # tokens yielded per sequence
   done, chunk = _read(summary, shown, stats)

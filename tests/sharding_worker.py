@@ -102,9 +102,11 @@ def generate(fixture: str, *meshes: str) -> dict:
     # generate_stream: a Decoder's pre-fused projection weights (sharded per device) passed into its steps
     streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(),
                                              steps_per_call=3)), axis=1)
+    # Chunked prefill: a lax.scan over 64-token chunks of the (sequence-parallel) prompt, caches in its carry.
+    chunked = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(), prefill_chunk=64).tokens
     caches = model.init_caches(len(prompts), 256)
     out[mesh] = {"equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
-                 "stream_equal": bool((streamed == want).all()),
+                 "stream_equal": bool((streamed == want).all()), "chunked_equal": bool((chunked == want).all()),
                  "cache_k": [list(caches[0].k.shape), str(caches[0].k.sharding.spec)],
                  "seconds": time.perf_counter() - start}
   return out

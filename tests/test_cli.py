@@ -32,13 +32,13 @@ def test_demo_command_streams_text(capsys, tmp_path):
   assert "generated 8" in err and "time to first token" in err and "decode" in err
 
 
-@pytest.mark.parametrize("steps_per_call", ["1", "4"])
-def test_generate_with_prompt_ids_matches_the_library(capsys, steps_per_call):
+@pytest.mark.parametrize("extra", [["--steps-per-call", "1"], ["--steps-per-call", "4"], ["--prefill-chunk", "16"]])
+def test_generate_with_prompt_ids_matches_the_library(capsys, extra):
   ckpt = FIXTURES / "flat_b16" / "checkpoint"
   ref = np.load(FIXTURES / "flat_b16" / "reference.npz")
   prompt = ref["input_ids"][0, :ref["gen_prompt_lens"][0]].tolist()
   assert cli.main(["generate", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "10",
-                   "--kernels", "reference", "--steps-per-call", steps_per_call]) == 0
+                   "--kernels", "reference", *extra]) == 0
   out, _ = capsys.readouterr()
   assert [int(t) for t in out.split()] == ref["gen_tokens"][0, :10].tolist()
 
@@ -61,6 +61,8 @@ def test_cli_errors_are_one_clear_line(capsys, tmp_path):
   assert "no tokenizer.json" in capsys.readouterr().err
   assert cli.main(["forward", str(ckpt), "--prompt-ids", "1,2,9999"]) == 2
   assert "outside [0, 256)" in capsys.readouterr().err
+  assert cli.main(["generate", str(ckpt), "--prompt-ids", "1,2", "--prefill-chunk", "100"]) == 2
+  assert "prefill_chunk must be a power of two >= 16, got 100" in capsys.readouterr().err
 
 
 def test_generate_with_images(capsys, demo_dir, tmp_path):

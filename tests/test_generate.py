@@ -202,6 +202,9 @@ def test_multimodal_generation_follows_the_full_multimodal_forward():
   np.testing.assert_array_equal(full[0, prompt.shape[1] - 1:].argmax(-1), out.tokens[0])
   text_only = generate(model, prompt, max_new_tokens=6, eos_token_ids=())
   assert not np.array_equal(text_only.tokens, out.tokens)  # the images really reach the prefill
+  # A chunked prefill (194 tokens -> bucket 256, 4 chunks of 64) cuts the embeddings with the ids.
+  chunked = generate(model, prompt, max_new_tokens=6, eos_token_ids=(), prompt_embeds=embeds, prefill_chunk=64)
+  np.testing.assert_array_equal(chunked.tokens, out.tokens)
   with pytest.raises(ValueError, match="prompt_embeds has shape"):
     generate(model, prompt, max_new_tokens=2, prompt_embeds=embeds[:, :, :8][None])
 
@@ -301,3 +304,30 @@ def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
     for width in re.findall(rf"= f32\[{t.hidden_size},(\d+)\]\{{[^}}]*\}} concatenate\(", text):
       assert int(width) not in expected or name not in loop_comps, \
           f"the [{t.hidden_size}, {width}] projection weight concatenation runs per step"
+
+
+@pytest.mark.parametrize("name, chunk", [("flat_b16", 16), ("legacy_b128", 32)])
+def test_chunked_prefill_equals_one_shot(models, name, chunk):
+  """Prefill in chunks (each attending to the cache of the ones before) == one forward over the prompt bucket:
+  last-token logits and every cache entry of the prompts, then the same generated tokens, also streamed."""
+  model = models[name]
+  _, prompts = _prompts(name)
+  prompts = prompts + [prompts[0][:3]]  # a row that ends in the first chunk
+  whole = prefill(model, prompts, max_new_tokens=8)
+  chunked = prefill(model, prompts, max_new_tokens=8, prefill_chunk=chunk)
+  assert bucket_length(max(map(len, prompts))) >= 2 * chunk  # really chunked
+  np.testing.assert_allclose(np.asarray(chunked.logits), np.asarray(whole.logits), rtol=1e-4, atol=1e-4)
+  for a, b in zip(whole.caches, chunked.caches):
+    for field in ("k", "v", "idx_k"):
+      if getattr(a, field) is not None:
+        for row, p in enumerate(prompts):
+          np.testing.assert_allclose(np.asarray(getattr(b, field)[row, :len(p)]),
+                                     np.asarray(getattr(a, field)[row, :len(p)]), rtol=1e-4, atol=1e-4)
+  ref = generate(model, prompts, max_new_tokens=8, eos_token_ids=())
+  np.testing.assert_array_equal(generate(model, prompts, max_new_tokens=8, eos_token_ids=(), prefill_chunk=chunk).tokens,
+                                ref.tokens)
+  streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=8, eos_token_ids=(), prefill_chunk=chunk)), 1)
+  np.testing.assert_array_equal(streamed, ref.tokens)
+  for bad in (12, 8, 0):
+    with pytest.raises(ValueError, match="prefill_chunk must be a power of two >= 16"):
+      generate(model, prompts, max_new_tokens=2, prefill_chunk=bad)

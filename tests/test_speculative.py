@@ -165,6 +165,21 @@ def test_greedy_speculative_tokens_equal_generate(noise, k, accepted):
   assert out.drafts.shape == (3, out.accepted_drafts.shape[1], k)
 
 
+def test_chunked_prefill_gives_the_same_speculative_decoding():
+  """The target's and the MTP's prefill in chunks of 16: the same tokens, drafts and acceptance, streamed too."""
+  model = _drafting_model(0.1, mtp_layer_scale=0.5)
+  ref = generate_speculative(model, PROMPTS, max_new_tokens=16, num_draft_tokens=2, eos_token_ids=())
+  out = generate_speculative(model, PROMPTS, max_new_tokens=16, num_draft_tokens=2, eos_token_ids=(), prefill_chunk=16)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.drafts, ref.drafts)
+  np.testing.assert_array_equal(out.accepted_drafts, ref.accepted_drafts)
+  assert 0.2 < ref.acceptance_rate < 0.95  # the MTP's prefilled cache matters to the drafts
+  chunks = list(generate_speculative_stream(model, PROMPTS, max_new_tokens=16, num_draft_tokens=2, eos_token_ids=(),
+                                            prefill_chunk=16, rounds_per_call=2))
+  for b in range(3):
+    np.testing.assert_array_equal(np.concatenate([c[b] for c in chunks]), ref.tokens[b])
+
+
 def test_speculative_stops_like_generate():
   model = _drafting_model(0.3)
   ref = m3jax.generate(model, PROMPTS, max_new_tokens=40, eos_token_ids=())

@@ -35,6 +35,9 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
                  help="decode steps per device call (default 4): tokens stream in groups of this size, and the "
                       "per-call host cost (milliseconds at full size) is paid once per group; 1 = token by token. "
                       "With --speculative: verification rounds per call")
+  p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                 help="prefill the prompt in chunks of N tokens (a power of two >= 16), bounding the prefill's "
+                      "activation memory; default: one forward")
   p.add_argument("--speculative", type=int, default=0, metavar="K",
                  help="speculative decoding with the checkpoint's MTP module, K draft tokens per round (loads it "
                       "with with_mtp); 0 = off (default)")
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
   for step_tokens in generate_stream(model, [ids], max_new_tokens=args.max_new_tokens,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                      seed=args.seed, eos_token_ids=eos, timings=timings,
-                                     prompt_embeds=prompt_embeds, steps_per_call=args.steps_per_call):
+                                     prompt_embeds=prompt_embeds, steps_per_call=args.steps_per_call,
+                                     prefill_chunk=args.prefill_chunk):
     first_token_at = first_token_at or time.perf_counter()
     if int(step_tokens[0]) < 0:
       break
@@ -117,7 +121,7 @@ def _run_speculative(args: argparse.Namespace, model, ids: list[int], eos: tuple
                                            num_draft_tokens=args.speculative, temperature=args.temperature,
                                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=eos,
                                            prompt_embeds=prompt_embeds, rounds_per_call=args.steps_per_call,
-                                           stats=stats):
+                                           stats=stats, prefill_chunk=args.prefill_chunk):
     first_token_at = first_token_at or time.perf_counter()
     _write_tokens(tokenizer, new_ids, chunk[0].tolist())
   end = time.perf_counter()
