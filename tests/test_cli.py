@@ -53,6 +53,23 @@ def test_generate_with_text_and_chat(capsys, demo_dir):
   assert f"prompt {len(ids)} tokens" in err
 
 
+def test_generate_reads_a_prompt_file_and_chunks_its_prefill(capsys, demo_dir, tmp_path):
+  prompt = tmp_path / "long.txt"
+  prompt.write_text("The quick brown fox jumps over the lazy dog. " * 12)
+  outputs = []
+  for extra in ([], ["--prefill-chunk", "32"]):
+    assert cli.main(["generate", str(demo_dir), "--prompt-file", str(prompt), "--max-new-tokens", "6",
+                     "--kernels", "reference", *extra]) == 0
+    out, err = capsys.readouterr()
+    outputs.append(out)
+    n = len(load_tokenizer(demo_dir).encode(prompt.read_text(), add_special_tokens=False).ids)
+    assert n > 64 and f"prompt {n} tokens" in err  # bucket 128 or more: 4+ chunks of 32
+  assert outputs[0] == outputs[1]
+  (tmp_path / "empty.txt").write_text("  ")
+  assert cli.main(["generate", str(demo_dir), "--prompt-file", str(tmp_path / "empty.txt")]) == 2
+  assert "empty.txt: empty prompt" in capsys.readouterr().err
+
+
 def test_cli_errors_are_one_clear_line(capsys, tmp_path):
   assert cli.main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
   assert "no config.json" in capsys.readouterr().err

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
   out = args.out or os.path.join(tempfile.mkdtemp(prefix="m3jax-demo-"), "tiny-m3")
   build_demo_checkpoint(out)
   print(f"[m3jax] wrote a tiny M3 checkpoint (original MiniMax layout, random weights) to {out}")
-  if args.prompt is None and args.prompt_ids is None:
+  if args.prompt is None and args.prompt_ids is None and args.prompt_file is None:
     args.prompt = "What is sparse attention?"
     args.chat = True
   args.checkpoint = out

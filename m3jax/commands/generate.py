@@ -21,6 +21,7 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
   group = p.add_mutually_exclusive_group()
   group.add_argument("--prompt", help="prompt text (tokenised with the checkpoint's tokenizer.json)")
   group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+  group.add_argument("--prompt-file", help="a text file holding the prompt (long prompts; as --prompt otherwise)")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=None)
@@ -48,8 +49,13 @@ def run(args: argparse.Namespace) -> int:
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.generate import generate_stream  # pylint: disable=g-import-not-at-top
 
+  if args.prompt_file is not None:
+    with open(args.prompt_file, encoding="utf-8") as f:
+      args.prompt = f.read()
+    if not args.prompt.strip():
+      raise ValueError(f"{args.prompt_file}: empty prompt")
   if args.prompt is None and args.prompt_ids is None:
-    raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3")
+    raise ValueError("give --prompt TEXT, --prompt-file PATH or --prompt-ids 1,2,3")
   if args.speculative < 0:
     raise ValueError(f"--speculative must be >= 0, got {args.speculative}")
   if hasattr(args, "mesh"):
