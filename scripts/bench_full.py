@@ -174,6 +174,25 @@ def parse_compiler_options(items: list[str]) -> dict[str, object] | None:
   return options or None
 
 
+def prefill_chunk_rows(prefill, state, ids, lengths, cache_len: int, chunks: list[int]) -> list[dict]:
+  """The one-shot prefill and the chunked ones: wall time (median of 3), XLA's temporary buffer size of each
+  compiled program (activations and workspace; weights and caches are arguments), and the chunked last-token
+  logits against the one-shot's."""
+  rows, want = [], None
+  for chunk in [None] + chunks:
+    compiled = prefill.lower(state, ids, lengths, cache_len, chunk).compile()
+    analysis = compiled.memory_analysis()
+    temp = None if analysis is None else int(analysis.temp_size_in_bytes)
+    logits = np.asarray(jax.block_until_ready(prefill(state, ids, lengths, cache_len, chunk)[0]), np.float32)
+    want = logits if want is None else want
+    ms = timed_ms(lambda: prefill(state, ids, lengths, cache_len, chunk)[0], repeats=3)
+    rel = float(np.abs(logits - want).max() / np.abs(want).max())
+    rows.append({"chunk": chunk, "ms": ms, "temp_bytes": temp, "logits_rel_err_vs_one_shot": rel})
+    print(f"prefill chunk {chunk or 'none (one shot)'}: {ms:.1f} ms, temporary memory "
+          f"{'n/a' if temp is None else f'{temp / 2**30:.2f} GiB'}, last-token logits rel err {rel:.1e}", flush=True)
+  return rows
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--mesh", default="tensor=8", help="e.g. tensor=8, expert=8, expert=4,tensor=2")
@@ -184,7 +203,7 @@ def main() -> None:
   parser.add_argument("--kernels", default="auto")
   parser.add_argument("--dry-run", action="store_true", help="lower + compile the sharded init only")
   parser.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the whole flow)")
-  parser.add_argument("--prompt", type=int, default=8192)
+  parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 8192; 64 with --smoke)")
   parser.add_argument("--concurrency", default="4,64")
   parser.add_argument("--decode-steps", type=int, default=32, help="timed decode steps per measurement")
   parser.add_argument("--fill", choices=("random", "prefill"), default="random", help="how decode caches are filled")
@@ -206,6 +225,9 @@ def main() -> None:
                            "xla_gpu_dot_merger_threshold_mb=0")
   parser.add_argument("--loop-fusion-ab", action="store_true",
                       help="also time the on-device loop fusing the projection weights in every step (A/B)")
+  parser.add_argument("--prefill-chunks", default="", metavar="N,N",
+                      help="also time the prefill in chunks of these many tokens (generate's prefill_chunk) beside "
+                           "the one-shot prefill, with each program's temporary (activation) memory from XLA")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   step_options = parse_compiler_options(args.compiler_option)
@@ -221,7 +243,7 @@ def main() -> None:
   sharding.check_config(cfg, mesh, plan.rules)
   # GPUs whose work one run stands for: the mesh, or the WAYS GPUs of the split one shard belongs to.
   n_gpus = args.one_shard or mesh.size
-  prompt = 64 if args.smoke else args.prompt
+  prompt = args.prompt or (64 if args.smoke else 8192)
   concurrency = [int(c) for c in args.concurrency.split(",")]
   mem = plan_memory(cfg, mesh, batch=max(concurrency), context=prompt + 1024, dtype=dtype)
   print(f"devices: {mesh.size} x {jax.devices()[0].device_kind}; mesh {dict(mesh.shape)}; layers {t.num_layers}"
@@ -262,9 +284,9 @@ def main() -> None:
   # Room for the decode steps (timed twice, plus warm-ups) and for the routing calibration's tokens.
   cache_len = -(-(prompt + max(2 * args.decode_steps + 8, CALIBRATION_TOKENS)) // 128) * 128
 
-  @functools.partial(jax.jit, static_argnames=("cache_len",))
-  def prefill(state, ids, lengths, cache_len):
-    return _prefill(nnx.merge(graphdef, state), ids, lengths, cache_len)
+  @functools.partial(jax.jit, static_argnames=("cache_len", "chunk"))
+  def prefill(state, ids, lengths, cache_len, chunk=None):
+    return _prefill(nnx.merge(graphdef, state), ids, lengths, cache_len, chunk=chunk)
 
   def next_inputs(logits, pos, noise):
     """The next step's tokens and positions. The tokens depend on this step's logits (steps cannot overlap)
@@ -311,6 +333,11 @@ def main() -> None:
     print(f"prefill {prompt} tokens: TTFT {ms:.1f} ms, {prompt / ms * 1e3 / n_gpus:.0f} tok/s per GPU "
           f"(first call, compile included: {compile_s:.1f}s)", flush=True)
     save()
+    chunks = [int(v) for v in args.prefill_chunks.split(",") if v]
+    if chunks:
+      report["prefill_chunks"] = prefill_chunk_rows(prefill, state, ids, put(np.asarray([prompt], np.int32)),
+                                                    cache_len, chunks)
+      save()
 
   for c in concurrency:
     start = time.perf_counter()

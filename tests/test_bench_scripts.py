@@ -156,7 +156,7 @@ def test_bench_full_one_shard_smoke(tmp_path):
   out = tmp_path / "shard.json"
   run_script("scripts/bench_full.py", "--smoke", "--one-shard", "2", "--decode-steps", "2", "--concurrency", "4",
              "--dispatch-probe", "--compiler-option", "xla_gpu_dot_merger_threshold_mb=0", "--stream-prompt", "16",
-             "--out", str(out))
+             "--prefill-chunks", "32,16", "--out", str(out))
   r = json.loads(out.read_text())
   assert r["devices"] == 1 and r["gpus_represented"] == 2 and r["one_shard_of"] == 2
   assert r["step_compiler_options"] == {"xla_gpu_dot_merger_threshold_mb": 0}
@@ -167,6 +167,10 @@ def test_bench_full_one_shard_smoke(tmp_path):
   assert (one["tokens"], four["tokens"], four["steps_per_call"], four["prompt_len"]) == (4, 16, 4, 16)
   assert one["tpot_ms"] > 0 and four["tpot_ms"] > 0 and four["call_ms_max"] > 0
   assert r["prefill"]["tok_s_per_gpu"] == pytest.approx(64 / r["prefill"]["ttft_ms"] * 1e3 / 2)
+  rows = r["prefill_chunks"]  # the 64-token prompt in one shot, in 2 chunks of 32 and in 4 of 16
+  assert [row["chunk"] for row in rows] == [None, 32, 16] and all(row["ms"] > 0 for row in rows)
+  assert all(row["temp_bytes"] > 0 for row in rows) and rows[0]["logits_rel_err_vs_one_shot"] == 0.0
+  assert all(row["logits_rel_err_vs_one_shot"] < 1e-5 for row in rows)
   # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 2..8 experts
   assert 2 <= d["distinct_experts_mean"] <= 8 and d["routed_roofline_ms"] > 0
   assert d["routing_balance"]["calibration_tokens"] == 64 and d["routing_balance"]["imbalance_after"] >= 1.0
