@@ -393,3 +393,15 @@ def test_bench_speculative_smoke(tmp_path):
     assert rd["projected_speedup"]["0.7"] == pytest.approx(expected)
     stream = rd["stream_2"]  # 4 calls of 2 rounds, the first 2 untimed
     assert stream["round_ms"] > 0 and stream["calls_timed"] == 2 and stream["call_ms_max"] > 0
+
+
+def test_estimate_prefill_memory_smoke(tmp_path):
+  """Compile-only: chunking the prefill shrinks the program's temporary memory, and the arguments (weights) and
+  outputs (caches, logits) are the same programs' either way."""
+  out = tmp_path / "mem.json"
+  run_script("scripts/estimate_prefill_memory.py", "--smoke", "--prompt", "1024", "--chunks", "256,64",
+             "--out", str(out))
+  rows = json.loads(out.read_text())["rows"]
+  assert [r["chunk"] for r in rows] == [None, 256, 64]
+  assert rows[0]["temp_bytes"] > rows[1]["temp_bytes"] > rows[2]["temp_bytes"] > 0, rows
+  assert len({r["argument_bytes"] for r in rows}) == 1 and len({r["output_bytes"] for r in rows}) == 1
