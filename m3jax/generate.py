@@ -143,23 +143,16 @@ def prefill_in_chunks(run, inputs: tuple[jax.Array | None, ...], lengths: jax.Ar
   xs = tuple(None if x is None else jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0) for x in inputs)
   offsets = jnp.arange(chunk, dtype=jnp.int32)
 
-  def step(c, x_c, caches):
-    return run(x_c, jnp.broadcast_to(c * chunk + offsets, (b, chunk)), caches, jnp.clip(last - c * chunk, 0, chunk - 1))
-
-  first_chunk = tuple(None if x is None else x[0] for x in xs)
-  rows = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                      jax.eval_shape(lambda: step(jnp.int32(0), first_chunk, caches)[0]))
-
-  def body(carry, c_x):
-    rows, caches = carry
+  def body(caches, c_x):
     c, x_c = c_x
-    new_rows, tokens, caches = step(c, x_c, caches)
-    mine = last // chunk == c
-    rows = jax.tree.map(lambda old, new: jnp.where(mine.reshape((b,) + (1,) * (new.ndim - 1)), new, old),
-                        rows, new_rows)
-    return (rows, caches), tokens
+    positions = jnp.broadcast_to(c * chunk + offsets, (b, chunk))
+    rows, tokens, caches = run(x_c, positions, caches, jnp.clip(last - c * chunk, 0, chunk - 1))
+    return caches, (rows, tokens)
 
-  (rows, caches), tokens = jax.lax.scan(body, (rows, caches), (jnp.arange(n, dtype=jnp.int32), xs))
+  caches, (rows, tokens) = jax.lax.scan(body, caches, (jnp.arange(n, dtype=jnp.int32), xs))
+  # rows: [n, B, ...] per chunk -> each row's entry from the chunk holding its last token.
+  mine = last // chunk
+  rows = jax.tree.map(lambda r: jnp.moveaxis(r, 0, 1)[jnp.arange(b), mine], rows)
   tokens = jax.tree.map(lambda t: jnp.moveaxis(t, 0, 1).reshape(b, s, *t.shape[3:]), tokens)
   return rows, tokens, caches
 
