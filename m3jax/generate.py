@@ -182,7 +182,7 @@ def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, cache
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "cache_len", "chunk"))
 def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
-                  sampling: SamplingParams, cache_len: int, chunk: int | None):
+                  sampling: SamplingParams, cache_len: int, chunk: int | None = None):
   """The whole generation loop (prefill + lax.while_loop of decode steps) as one XLA program."""
   model = nnx.merge(graphdef, state)
   b = prompt.shape[0]
@@ -260,7 +260,7 @@ def generate(
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "chunk"))
-def _prefill_jit(graphdef, state, prompt, lengths, embeds, *, cache_len: int, chunk: int | None):
+def _prefill_jit(graphdef, state, prompt, lengths, embeds, *, cache_len: int, chunk: int | None = None):
   return _prefill(nnx.merge(graphdef, state), prompt, lengths, cache_len, embeds, chunk)
 
 

@@ -197,7 +197,7 @@ def _start(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, key: jax
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len",
                                              "chunk"))
 def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
-                     num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None):
+                     num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None = None):
   model = nnx.merge(graphdef, state)
   init = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
                 num_draft=num_draft, sampling=sampling, cache_len=cache_len, chunk=chunk)
@@ -279,7 +279,7 @@ def generate_speculative(
 
 @functools.partial(jax.jit, static_argnames=("graph", "max_new_tokens", "num_draft", "sampling", "cache_len", "chunk"))
 def _start_jit(graph: _GraphKey, params, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
-               num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None):
+               num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None = None):
   model = graph.merge(params)
   carry = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
                  num_draft=num_draft, sampling=sampling, cache_len=cache_len, chunk=chunk)
