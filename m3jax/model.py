@@ -140,7 +140,7 @@ class M3ForCausalLM(nnx.Module):
                         cache=None if caches is None else caches[i],
                         prepared=None if decode_weights is None else decode_weights[i])
     if logits_at is not None:
-      out = jnp.take_along_axis(out, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+      out = _at_index(out, logits_at)
     logits = self._lm_logits(module.final_norm(out))
     new_caches = None if caches is None else tuple(cache if j == i else c for j, c in enumerate(caches))
     return ForwardOutput(logits=logits, caches=new_caches, hidden=out)
@@ -221,9 +221,7 @@ class M3ForCausalLM(nnx.Module):
       new_caches.append(c)
       records.append(record)
     hidden = self.final_norm(h)
-    at = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at.astype(jnp.int32)[:, None, None],
-                                                              axis=1)
-    logits = self._lm_logits(at)
+    logits = self._lm_logits(hidden if logits_at is None else _at_index(hidden, logits_at))
     return ForwardOutput(logits=logits, caches=None if caches is None else tuple(new_caches), hidden=hidden,
                          intermediates=None if collect is None else tuple(records))
 
@@ -254,6 +252,11 @@ class M3ForCausalLM(nnx.Module):
 @nnx.jit
 def _jit_logits(model: M3ForCausalLM, input_ids: jax.Array) -> jax.Array:
   return model.forward(input_ids).logits
+
+
+def _at_index(x: jax.Array, index: jax.Array) -> jax.Array:
+  """x [B, S, ...], index int [B] -> [B, 1, ...]: each row's entry at its own index (``logits_at``)."""
+  return jnp.take_along_axis(x, index.astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
 
 
 def _check_ids(input_ids: jax.Array, vocab_size: int) -> None:

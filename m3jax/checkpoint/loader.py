@@ -45,8 +45,9 @@ def build_rules(cfg: M3Config, layout: Layout, with_mtp: bool = False) -> list[T
   rules = text_rules(cfg.text, layout)
   if with_mtp:
     if layout != "original":
-      raise CheckpointError(f"with_mtp: a {layout!r}-layout checkpoint carries no MTP weights (HF transformers "
-                            "drops them); use the original MiniMax checkpoint or one converted from it")
+      raise CheckpointError(f"MTP modules exist only in the original layout: a {layout!r}-layout checkpoint carries "
+                            "none (HF transformers drops them); use the original MiniMax checkpoint or one converted "
+                            "from it")
     rules += mtp_rules(cfg.text)
   if cfg.vision is not None:
     try:

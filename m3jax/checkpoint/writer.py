@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from m3jax.checkpoint.mapping import Layout, mtp_rules, text_rules
-from m3jax.checkpoint.vision_mapping import vision_rules
+from m3jax.checkpoint.loader import build_rules
+from m3jax.checkpoint.mapping import Layout
 from m3jax.checkpoint.safetensors_dir import INDEX_NAME
 from m3jax.model import M3ForCausalLM
 
@@ -21,13 +21,8 @@ def model_tensors(model: M3ForCausalLM, layout: Layout = "original") -> dict[str
   tower + projector when ``model.vision`` is built, and the MTP modules when ``model.mtp`` is: original layout)."""
   params = {path: np.asarray(var.get_value()) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   out: dict[str, np.ndarray] = {}
-  rules = text_rules(model.config.text, layout)
-  if getattr(model, "vision", None) is not None:
-    rules += vision_rules(model.config, layout)
-  if getattr(model, "mtp", None) is not None:
-    if layout != "original":
-      raise ValueError(f"MTP modules are only written in the original layout, not {layout!r} (HF has no MTP names)")
-    rules += mtp_rules(model.config.text)
+  cfg = model.config if getattr(model, "vision", None) is not None else dataclasses.replace(model.config, vision=None)
+  rules = build_rules(cfg, layout, with_mtp=getattr(model, "mtp", None) is not None)
   for rule in rules:
     arrays = rule.from_param(params[rule.path])
     for name, arr, shape in zip(rule.sources, arrays, rule.source_shapes):

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
   timings: dict[str, float] = {}
   start = time.perf_counter()
   first_token_at = None
-  new_ids: list[int] = []
+  printer = _TokenPrinter(tokenizer)
   for step_tokens in generate_stream(model, [ids], max_new_tokens=args.max_new_tokens,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                      seed=args.seed, eos_token_ids=eos, timings=timings,
@@ -99,15 +99,15 @@ def run(args: argparse.Namespace) -> int:
     first_token_at = first_token_at or time.perf_counter()
     if int(step_tokens[0]) < 0:
       break
-    _write_tokens(tokenizer, new_ids, [int(step_tokens[0])])
+    printer.write([int(step_tokens[0])])
   end = time.perf_counter()
   sys.stdout.write("\n")
   sys.stdout.flush()
   prefill_s = timings.get("prefill_s", float("nan"))
   ttft = (first_token_at or end) - start
-  decode_tokens = max(len(new_ids) - 1, 0)
+  decode_tokens = max(len(printer.ids) - 1, 0)
   decode_s = end - (first_token_at or end)
-  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(new_ids)}; time to first token {ttft:.3f}s; "
+  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(printer.ids)}; time to first token {ttft:.3f}s; "
         f"prefill {len(ids) / prefill_s:.1f} tok/s ({prefill_s:.3f}s); decode "
         f"{decode_tokens / decode_s if decode_s > 0 else float('nan'):.1f} tok/s "
         f"(first call includes compilation)", file=sys.stderr)
@@ -122,36 +122,43 @@ def _run_speculative(args: argparse.Namespace, model, ids: list[int], eos: tuple
   stats: dict = {}
   start = time.perf_counter()
   first_token_at = None
-  new_ids: list[int] = []
+  printer = _TokenPrinter(tokenizer)
   for chunk in generate_speculative_stream(model, [ids], max_new_tokens=args.max_new_tokens,
                                            num_draft_tokens=args.speculative, temperature=args.temperature,
                                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, eos_token_ids=eos,
                                            prompt_embeds=prompt_embeds, rounds_per_call=args.steps_per_call,
                                            stats=stats, prefill_chunk=args.prefill_chunk):
     first_token_at = first_token_at or time.perf_counter()
-    _write_tokens(tokenizer, new_ids, chunk[0].tolist())
+    printer.write(chunk[0].tolist())
   end = time.perf_counter()
   sys.stdout.write("\n")
   sys.stdout.flush()
   rounds, accepted = int(stats["rounds"][0]), int(stats["accepted"][0])
   decode_s = end - first_token_at
-  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(new_ids)} in {rounds} verification rounds of "
+  print(f"[m3jax] prompt {len(ids)} tokens, generated {len(printer.ids)} in {rounds} verification rounds of "
         f"{args.speculative} drafts: acceptance {accepted / max(rounds * args.speculative, 1):.2f}, "
-        f"{(len(new_ids) - 1) / max(rounds, 1):.2f} tokens per target forward; time to first token "
-        f"{first_token_at - start:.3f}s; decode {(len(new_ids) - 1) / decode_s if decode_s > 0 else float('nan'):.1f} "
+        f"{(len(printer.ids) - 1) / max(rounds, 1):.2f} tokens per target forward; time to first token "
+        f"{first_token_at - start:.3f}s; decode {(len(printer.ids) - 1) / decode_s if decode_s > 0 else float('nan'):.1f} "
         "tok/s (first call includes compilation)", file=sys.stderr)
   return 0
 
 
-def _write_tokens(tokenizer, new_ids: list[int], tokens: list[int]) -> None:
-  """Appends ``tokens`` to ``new_ids`` and writes their text (ids without a tokenizer) to stdout."""
-  printed = "" if tokenizer is None else tokenizer.decode(new_ids, skip_special_tokens=False)
-  new_ids.extend(tokens)
-  if tokenizer is None:
-    sys.stdout.write("".join(f"{t} " for t in tokens))
-  else:
-    sys.stdout.write(tokenizer.decode(new_ids, skip_special_tokens=False)[len(printed):])
-  sys.stdout.flush()
+class _TokenPrinter:
+  """Streams generated ids to stdout: as text (the whole completion decoded each time, so that a character
+  spanning several tokens prints once complete), or as ids without a tokenizer."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+
+  def write(self, tokens: list[int]) -> None:
+    self.ids.extend(tokens)
+    if self.tokenizer is None:
+      sys.stdout.write("".join(f"{t} " for t in tokens))
+    else:
+      text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+      sys.stdout.write(text[len(self.printed):])
+      self.printed = text
+    sys.stdout.flush()
 
 
 def _multimodal_prompt(model, tokenizer, text: str, images: list[str]):
