@@ -365,9 +365,7 @@ def generate_speculative_stream(
       done, chunk = _read(pending, shown, stats)
       yield chunk
     pending = summary
-  if pending is not None and not np.all(shown >= np.asarray(pending["produced"])):
-    _, chunk = _read(pending, shown, stats)
-    yield chunk
+  # The call dispatched before the last read started from finished sequences: it has no tokens to read.
 
 
 def _read(summary: dict[str, jax.Array], shown: np.ndarray, stats: dict | None) -> tuple[np.ndarray, list[np.ndarray]]:
