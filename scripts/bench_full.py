@@ -176,7 +176,7 @@ def parse_compiler_options(items: list[str]) -> dict[str, object] | None:
 
 def prefill_chunk_rows(prefill, state, ids, lengths, cache_len: int, chunks: list[int]) -> list[dict]:
   """The one-shot prefill and the chunked ones: wall time (median of 3), XLA's temporary buffer size of each
-  compiled program (activations and workspace; weights and caches are arguments), and the chunked last-token
+  compiled program (activations and workspace; weights are arguments, caches outputs), and the chunked last-token
   logits against the one-shot's."""
   rows, want = [], None
   for chunk in [None] + chunks:
