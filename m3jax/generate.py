@@ -119,7 +119,7 @@ def check_prefill_chunk(prefill_chunk: int | None) -> None:
 
 
 def prefill_in_chunks(run, inputs: tuple[jax.Array | None, ...], lengths: jax.Array, caches: tuple,
-                      chunk: int | None):
+                      chunk: int | None, start: jax.Array | None = None, max_position: int | None = None):
   """Runs a prefill over right-padded prompts in chunks of ``chunk`` tokens (all at once when chunk is None or
   >= the prompt length S), each chunk at its own positions, writing the caches and attending over them: chunk c
   reads the keys of chunks 0 .. c. The chunks run in a ``lax.scan`` (one compiled forward), so peak activation
@@ -131,21 +131,31 @@ def prefill_in_chunks(run, inputs: tuple[jax.Array | None, ...], lengths: jax.Ar
       index ``at`` of each row, ``tokens`` a pytree of [B, N, ...] values per token.
     inputs: [B, S, ...] arrays (or None).
     lengths: int32 [B] prompt lengths; ``rows`` are kept from the chunk that holds each row's last token.
+    start: int32 [B] position of each row's first token (default 0): the tokens continue sequences whose caches
+      already hold positions 0 .. start - 1, and attend to them.
+    max_position: positions are clipped to this (the caches' last slot), so that padding past the end of the
+      caches neither writes outside them nor queries past them; real tokens must lie below it (callers check).
 
   Returns:
     (rows at each row's position lengths - 1, tokens over all S positions [B, S, ...], caches).
   """
   b, s = next(x for x in inputs if x is not None).shape[:2]
   last = lengths - 1
+  first = jnp.zeros((b, 1), jnp.int32) if start is None else start.astype(jnp.int32)[:, None]
+
+  def place(offsets: jax.Array) -> jax.Array:
+    positions = first + offsets[None]
+    return positions if max_position is None else jnp.minimum(positions, max_position)
+
   if chunk is None or chunk >= s:
-    return run(inputs, jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)), caches, last)
+    return run(inputs, place(jnp.arange(s, dtype=jnp.int32)), caches, last)
   n = s // chunk
   xs = tuple(None if x is None else jnp.moveaxis(x.reshape(b, n, chunk, *x.shape[2:]), 1, 0) for x in inputs)
   offsets = jnp.arange(chunk, dtype=jnp.int32)
 
   def body(caches, c_x):
     c, x_c = c_x
-    positions = jnp.broadcast_to(c * chunk + offsets, (b, chunk))
+    positions = place(c * chunk + offsets)
     rows, tokens, caches = run(x_c, positions, caches, jnp.clip(last - c * chunk, 0, chunk - 1))
     return caches, (rows, tokens)
 

@@ -35,6 +35,13 @@ def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
 
 def render_chat(path: str | os.PathLike, user_message: str) -> str:
   """Applies tokenizer_config.json's chat_template to one user turn, with the generation prompt."""
+  return render_messages(path, [{"role": "user", "content": user_message}])
+
+
+def render_messages(path: str | os.PathLike, messages: list[dict[str, str]], add_generation_prompt: bool = True
+                    ) -> str:
+  """Applies the checkpoint's chat template (tokenizer_config.json's chat_template, or chat_template.jinja) to a
+  conversation: ``messages`` as [{"role": "system" | "user" | "assistant", "content": text}, ...]."""
   import jinja2  # pylint: disable=g-import-not-at-top
   from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
 
@@ -46,8 +53,11 @@ def render_chat(path: str | os.PathLike, user_message: str) -> str:
   if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
     template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
   if not template:
-    raise ValueError(f"{path}: --chat needs a chat_template in tokenizer_config.json (or chat_template.jinja)")
+    raise ValueError(f"{path}: chat needs a chat_template in tokenizer_config.json (or chat_template.jinja)")
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
+      raise ValueError(f"message {i} must be {{'role': ..., 'content': str}}, got {m!r}")
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
   return env.from_string(template).render(
-      messages=[{"role": "user", "content": user_message}], add_generation_prompt=True,
+      messages=messages, add_generation_prompt=add_generation_prompt,
       bos_token=cfg.get("bos_token") or "", eos_token=cfg.get("eos_token") or "")

@@ -1,14 +1,18 @@
 """The m3jax CLI end to end: demo (build + stream), generate with ids and text, forward, clear errors."""
 
+import io
 import json
+import re
 
 import numpy as np
 import pytest
 
 from conftest import FIXTURES
+import m3jax
 from m3jax import cli
 from m3jax.demo import build_demo_checkpoint
-from m3jax.tokenizer import load_tokenizer, render_chat
+from m3jax.generate import generate
+from m3jax.tokenizer import load_tokenizer, render_chat, render_messages
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +145,40 @@ def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_p
     assert out.rstrip("\n") == tok.decode(ref.tokens[0, : ref.lengths[0]].tolist(), skip_special_tokens=False)
     assert f"generated {ref.lengths[0]} in {ref.rounds[0]} verification rounds of 2 drafts" in err
     assert f"acceptance {ref.acceptance_rate:.2f}" in err
+
+
+def test_chat_keeps_its_caches_between_turns(capsys, monkeypatch, demo_dir):
+  monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is sparse attention?\n/reset\nHello there\n"))
+  assert cli.main(["chat", str(demo_dir), "--max-new-tokens", "6", "--kernels", "reference", "--system",
+                   "Be brief."]) == 0
+  out, err = capsys.readouterr()
+  replies = out.split("\n")[:3]
+  turns = re.findall(r"turn (\d): (\d+) tokens from the cache, (\d+) prefilled, (\d+) generated", err)
+  assert [t[0] for t in turns] == ["1", "2", "3"] and "conversation reset" in err
+  tok = load_tokenizer(demo_dir)
+  first = render_messages(demo_dir, [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Hello there"}])
+  n1 = len(tok.encode(first, add_special_tokens=False).ids)
+  assert turns[0][1:3] == ("0", str(n1))
+  # Turn 2 renders the whole conversation (turn 1 and its reply): the cache serves at least turn 1's prompt.
+  assert int(turns[1][1]) >= n1 and int(turns[1][2]) > 0
+  assert turns[2][1:3] == ("0", str(n1)) and replies[2] == replies[0]  # after /reset: turn 1 again, same reply
+  # The first reply is the library's greedy completion of turn 1, stop token dropped.
+  model = m3jax.load(demo_dir, kernels="reference", text_only=True)
+  eos = model.config.text.eos_token_ids
+  lib = generate(model, [tok.encode(first, add_special_tokens=False).ids], max_new_tokens=6, eos_token_ids=eos)
+  want = [t for t in lib.tokens[0, :lib.lengths[0]].tolist() if t not in eos]
+  assert replies[0] == tok.decode(want, skip_special_tokens=False)
+
+
+def test_chat_needs_a_tokenizer_and_template(capsys, demo_dir, tmp_path):
+  ckpt = FIXTURES / "flat_b16" / "checkpoint"
+  assert cli.main(["chat", str(ckpt)]) == 2
+  assert "no tokenizer.json" in capsys.readouterr().err
+  import shutil  # pylint: disable=g-import-not-at-top
+  plain = tmp_path / "no_template"
+  shutil.copytree(demo_dir, plain)
+  (plain / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+  assert cli.main(["chat", str(plain)]) == 2
+  assert "chat needs a chat_template in tokenizer_config.json" in capsys.readouterr().err
+

@@ -153,3 +153,38 @@ def test_chunked_prefill_on_kernels(caplog):
         for row, n in enumerate((512, 300)):
           x_r, y_r = np.asarray(x[row, :n], np.float32), np.asarray(y[row, :n], np.float32)
           assert np.abs(x_r - y_r).max() / np.abs(x_r).max() < 2e-2, (layer, name, row)
+
+
+def test_conversation_on_kernels(caplog):
+  """A second turn prefilled against the first turn's caches on the kernels (the cached-prefix path at an offset
+  that is not a multiple of the block), its padding clipped at the end of the caches (303 cached + 150 new ids
+  pad to 256, past the 512 slots): each reply token is greedy under the whole conversation's full forward, up to
+  bf16 near-ties, and no op falls back to its reference."""
+  from m3jax.conversation import Conversation  # pylint: disable=g-import-not-at-top
+
+  cfg = _kernel_ready_config()
+  model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(2)
+  conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
+  forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))
+  prompt = rng.integers(0, 256, 300).tolist()
+  with caplog.at_level(logging.WARNING, logger="m3jax.ops"):
+    for turn in range(2):
+      reply = np.concatenate(list(conv.reply(prompt, max_new_tokens=3))).tolist()
+      if turn == 1:
+        assert (conv.last_turn.reused, conv.last_turn.prefilled) == (303, 150)
+      seq = prompt + reply
+      logits = np.asarray(forward(jnp.asarray([seq], jnp.int32), jnp.arange(len(seq), dtype=jnp.int32)[None],
+                                  model.init_caches(1, 512)).logits[0, len(prompt) - 1:-1])
+      chosen = logits[np.arange(3), reply]
+      assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (turn, logits.max(-1) - chosen)
+      prompt = seq + rng.integers(0, 256, 150).tolist()
+  # The caches built over two turns hold what one prefill of the whole conversation writes.
+  n = len(conv.history)
+  whole = m3jax.prefill(model, [conv.history], max_new_tokens=1)
+  for layer, (a, b) in enumerate(zip(whole.caches, conv.caches)):
+    for name in ("k", "v", "idx_k"):
+      if getattr(a, name) is not None:
+        x, y = (np.asarray(getattr(c, name)[0, :n], np.float32) for c in (a, b))
+        assert np.abs(x - y).max() / np.abs(x).max() < 2e-2, (layer, name)
+  assert not [r.message for r in caplog.records if "falls back" in r.message or "no Pallas kernel" in r.message]
