@@ -4,10 +4,11 @@ Public API (stable): ``m3jax.load(path) -> model``; ``model(input_ids int32[B, S
 """
 
 from m3jax.config import ConfigError, M3Config, TextConfig, VisionConfig, m3_full, tiny
+from m3jax.conversation import Conversation
 from m3jax.generate import Decoder, GenerateOutput, PrefillOutput, decode_step, generate, generate_stream, prefill
 from m3jax.model import ForwardOutput, M3ForCausalLM
 
-__all__ = ["ConfigError", "Decoder", "ForwardOutput", "GenerateOutput", "PrefillOutput", "decode_step", "generate",
+__all__ = ["ConfigError", "Conversation", "Decoder", "ForwardOutput", "GenerateOutput", "PrefillOutput", "decode_step", "generate",
            "generate_stream", "prefill", "M3Config", "M3ForCausalLM", "TextConfig", "VisionConfig", "m3_full",
            "tiny", "load"]
 

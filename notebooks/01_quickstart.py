@@ -96,6 +96,27 @@ chunked = m3jax.generate(model, [long_prompt], max_new_tokens=8, prefill_chunk=6
 print(len(long_prompt), "prompt tokens in chunks of 64; same tokens:", bool((whole.tokens == chunked.tokens).all()))
 
 # %% [markdown]
+# ## Multi-turn: a conversation that keeps its caches
+# `m3jax.Conversation` holds one sequence's caches across turns. Each `reply` takes the whole conversation so far
+# (here rendered by the checkpoint's chat template) and prefills only the tokens past what the caches already
+# hold; each reply equals `generate` on the whole conversation (up to bf16 reassociation). (`m3jax chat CKPT` does this on stdin.)
+
+# %%
+from m3jax.tokenizer import render_messages
+
+conv = m3jax.Conversation(model, max_length=1024)
+messages = []
+for question in ["What is sparse attention?", "And the shared expert?"]:
+  messages.append({"role": "user", "content": question})
+  ids = tok.encode(render_messages(ckpt, messages), add_special_tokens=False).ids
+  reply = np.concatenate(list(conv.reply(ids, max_new_tokens=12))).tolist()
+  same = reply == m3jax.generate(model, [ids], max_new_tokens=12).tokens[0, : len(reply)].tolist()
+  turn = conv.last_turn
+  print(f"{turn.reused} tokens from the cache, {turn.prefilled} prefilled; same as generate: {same}:",
+        repr(tok.decode(reply)))
+  messages.append({"role": "assistant", "content": tok.decode(reply)})
+
+# %% [markdown]
 # ## Speculative decoding with the MTP module
 # The demo checkpoint, like M3's, carries one multi-token-prediction (MTP) module. `with_mtp=True` loads it, and
 # `generate_speculative` drafts `num_draft_tokens` tokens per round with it, then verifies them in one target

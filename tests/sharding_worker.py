@@ -89,6 +89,7 @@ def _prompts(fixture: str):
 
 
 def generate(fixture: str, *meshes: str) -> dict:
+  from m3jax.conversation import Conversation  # pylint: disable=g-import-not-at-top
   from m3jax.generate import generate as gen, generate_stream  # pylint: disable=g-import-not-at-top
 
   prompts, want = _prompts(fixture)
@@ -104,9 +105,17 @@ def generate(fixture: str, *meshes: str) -> dict:
                                              steps_per_call=3)), axis=1)
     # Chunked prefill: a lax.scan over 64-token chunks of the (sequence-parallel) prompt, caches in its carry.
     chunked = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(), prefill_chunk=64).tokens
+    # A Conversation (batch 1): turn 2 continues turn 1's caches and must reply as generate on the whole text.
+    conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
+    turn1 = np.concatenate(list(conv.reply(prompts[0], max_new_tokens=want.shape[1])))
+    prompt2 = prompts[0] + turn1.tolist() + prompts[1][:20]
+    turn2 = np.concatenate(list(conv.reply(prompt2, max_new_tokens=8)))
+    conversation_equal = (np.array_equal(turn1, want[0]) and conv.last_turn.reused == len(prompts[0]) + len(turn1)
+                          and np.array_equal(turn2, gen(model, [prompt2], max_new_tokens=8, eos_token_ids=()).tokens[0]))
     caches = model.init_caches(len(prompts), 256)
     out[mesh] = {"equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
                  "stream_equal": bool((streamed == want).all()), "chunked_equal": bool((chunked == want).all()),
+                 "conversation_equal": bool(conversation_equal),
                  "cache_k": [list(caches[0].k.shape), str(caches[0].k.sharding.spec)],
                  "seconds": time.perf_counter() - start}
   return out
