@@ -99,7 +99,8 @@ print(len(long_prompt), "prompt tokens in chunks of 64; same tokens:", bool((who
 # ## Multi-turn: a conversation that keeps its caches
 # `m3jax.Conversation` holds one sequence's caches across turns. Each `reply` takes the whole conversation so far
 # (here rendered by the checkpoint's chat template) and prefills only the tokens past what the caches already
-# hold; each reply equals `generate` on the whole conversation (up to bf16 reassociation). (`m3jax chat CKPT` does this on stdin.)
+# hold; each reply equals `generate` on the whole conversation, up to bf16 reassociation. `m3jax chat CKPT` does
+# this on stdin.
 
 # %%
 from m3jax.tokenizer import render_messages
