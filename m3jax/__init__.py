@@ -7,9 +7,10 @@ from m3jax.config import ConfigError, M3Config, TextConfig, VisionConfig, m3_ful
 from m3jax.conversation import Conversation
 from m3jax.generate import Decoder, GenerateOutput, PrefillOutput, decode_step, generate, generate_stream, prefill
 from m3jax.model import ForwardOutput, M3ForCausalLM
+from m3jax.scoring import score_continuations, token_logprobs
 
 __all__ = ["ConfigError", "Conversation", "Decoder", "ForwardOutput", "GenerateOutput", "PrefillOutput", "decode_step", "generate",
-           "generate_stream", "prefill", "M3Config", "M3ForCausalLM", "TextConfig", "VisionConfig", "m3_full",
+           "generate_stream", "prefill", "score_continuations", "token_logprobs", "M3Config", "M3ForCausalLM", "TextConfig", "VisionConfig", "m3_full",
            "tiny", "load"]
 
 

@@ -56,14 +56,21 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def forward(fixture: str, *meshes: str) -> dict:
+  from m3jax.scoring import token_logprobs  # pylint: disable=g-import-not-at-top
+
   ids = np.load(FIXTURES / fixture / "reference.npz")["input_ids"]
-  want = np.asarray(_load(fixture, None)(ids))
+  single = _load(fixture, None)
+  want = np.asarray(single(ids))
+  want_lp = token_logprobs(single, ids).logprobs
   out = {}
   for mesh in meshes:
     start = time.perf_counter()
     model = _load(fixture, mesh)
     got = np.asarray(model(ids))
-    out[mesh] = {"rel_err": _rel(got, want), "seconds": time.perf_counter() - start}
+    # Scoring in chunks of 64 under the plan (a lax.scan with the caches in its carry) against one shot unsharded.
+    got_lp = token_logprobs(model, ids, prefill_chunk=64).logprobs
+    out[mesh] = {"rel_err": _rel(got, want), "logprob_err": float(np.abs(got_lp - want_lp).max()),
+                 "seconds": time.perf_counter() - start}
   return out
 
 

@@ -182,3 +182,26 @@ def test_chat_needs_a_tokenizer_and_template(capsys, demo_dir, tmp_path):
   assert cli.main(["chat", str(plain)]) == 2
   assert "chat needs a chat_template in tokenizer_config.json" in capsys.readouterr().err
 
+
+
+def test_score_prints_the_library_perplexity(capsys, demo_dir, tmp_path):
+  from m3jax.scoring import token_logprobs  # pylint: disable=g-import-not-at-top
+
+  text = tmp_path / "doc.txt"
+  text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+  saved = tmp_path / "lp.npz"
+  assert cli.main(["score", str(demo_dir), "--text-file", str(text), "--kernels", "reference", "--prefill-chunk",
+                   "32", "--save", str(saved)]) == 0
+  out, _ = capsys.readouterr()
+  model = m3jax.load(demo_dir, kernels="reference", text_only=True)
+  ids = [model.config.text.bos_token_id] + load_tokenizer(demo_dir).encode(text.read_text(),
+                                                                         add_special_tokens=False).ids
+  want = token_logprobs(model, [ids])
+  assert f"tokens {len(ids)} (scored {len(ids) - 1})" in out
+  got = float(re.search(r"perplexity ([\d.]+)", out).group(1))
+  assert got == pytest.approx(want.perplexity(), rel=1e-3)
+  rec = np.load(saved)
+  np.testing.assert_array_equal(rec["ids"], ids)
+  np.testing.assert_allclose(rec["logprobs"], want.logprobs[0, :len(ids)], atol=2e-2)  # bf16, chunked vs one shot
+  assert cli.main(["score", str(demo_dir), "--prompt-ids", "5"]) == 2
+  assert "at least 2 tokens" in capsys.readouterr().err
