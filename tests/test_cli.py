@@ -205,3 +205,48 @@ def test_score_prints_the_library_perplexity(capsys, demo_dir, tmp_path):
   np.testing.assert_allclose(rec["logprobs"], want.logprobs[0, :len(ids)], atol=2e-2)  # bf16, chunked vs one shot
   assert cli.main(["score", str(demo_dir), "--prompt-ids", "5"]) == 2
   assert "at least 2 tokens" in capsys.readouterr().err
+
+
+def test_batch_writes_each_prompts_own_completion_in_input_order(capsys, demo_dir, tmp_path):
+  tok = load_tokenizer(demo_dir)
+  requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [5, 6, 7]},
+              {"prompt": "A block holds one hundred and twenty-eight keys, and the indexer picks sixteen."},
+              {"prompt": "Hi", "id": 4}, {"prompt_ids": list(range(10, 60))}]
+  src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text("\n".join(json.dumps(r) for r in requests) + "\n\n")
+  assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--batch-size", "2",
+                   "--max-new-tokens", "5", "--kernels", "reference"]) == 0
+  assert "5 prompts, " in capsys.readouterr().err
+  lines = [json.loads(x) for x in dst.read_text().splitlines()]
+  assert [x["index"] for x in lines] == list(range(5)) and [x["id"] for x in lines] == ["a", None, None, 4, None]
+  model = m3jax.load(demo_dir, kernels="reference", text_only=True)
+  eos = model.config.text.eos_token_ids
+  for r, x in zip(requests, lines):
+    ids = r.get("prompt_ids") or tok.encode(r["prompt"], add_special_tokens=False).ids
+    alone = generate(model, [ids], max_new_tokens=5, eos_token_ids=eos)
+    want = alone.tokens[0, : alone.lengths[0]].tolist()
+    assert x["completion_ids"] == want and x["prompt_tokens"] == len(ids)
+    assert x["finish_reason"] == ("stop" if want[-1] in eos else "length")
+    assert x["completion"] == tok.decode(want[:-1] if want[-1] in eos else want, skip_special_tokens=False)
+  # --chat wraps the text prompts in the chat template; id prompts are taken as they are.
+  assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--max-new-tokens", "2",
+                   "--chat", "--kernels", "reference"]) == 0
+  lines = [json.loads(x) for x in dst.read_text().splitlines()]
+  assert lines[0]["prompt_tokens"] == len(tok.encode(render_chat(demo_dir, requests[0]["prompt"]),
+                                                     add_special_tokens=False).ids)
+  assert lines[1]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "in.jsonl:2: not JSON"),
+    ('{"prompt": "a", "prompt_ids": [1]}', 'in.jsonl:2: expected an object with "prompt"'),
+    ('{"prompt_ids": [1, "x"]}', '"prompt_ids" must be a non-empty list of ints'),
+    ('{"prompt_ids": [1, 100000]}', "in.jsonl:2: token ids outside [0, "),
+    ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+])
+def test_batch_names_the_bad_line(capsys, demo_dir, tmp_path, line, message):
+  src = tmp_path / "in.jsonl"
+  src.write_text('{"prompt": "fine"}\n' + line + "\n")
+  assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
+  assert message in capsys.readouterr().err
+  assert not (tmp_path / "o.jsonl").exists()
