@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The H200 measurements still owed by the CPU-only sessions (BENCHMARKS.md, "Chunked prefill, streamed and
+# multimodal speculative decoding" and "Conversations and scoring"), as one device call of under 10 minutes:
+#
+#   run(command="bash scripts/gpu_pending.sh", timeout_s=600)       # the device tool, from the repo root
+#
+# Each step has its own time limit and log under $OUT (default /tmp/gpu_pending), so a step that hangs or fails
+# costs only its own slot and the rest still run; $OUT/summary.txt lists each step's exit status and seconds.
+set -u
+OUT="${OUT:-/tmp/gpu_pending}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
+: > "$OUT/summary.txt"
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt"
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+
+# 1. The new model-level paths compiled for the GPU (the CPU suite runs them on XLA:CPU and in interpret mode).
+step tests 180 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n 4 -m "not interpret" \
+  tests/test_generate.py tests/test_speculative.py tests/test_kernels_in_model.py tests/test_conversation.py \
+  tests/test_scoring.py -k "chunked or stream or multimodal or conversation or scor or logprob or continuation"
+
+# 2. Chunked prefill against one shot, one GPU's shard of the full model (60 layers), 32K prompt.
+step full_chunked 170 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/bench_full.py --one-shard 8 \
+  --prompt 32768 --concurrency 4 --decode-steps 4 --prefill-chunks 8192,2048 --out "$OUT/full.json"
+
+# 3. Streamed speculative decoding: host cost per call at full depth.
+step speculative_stream 130 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/bench_speculative.py \
+  --one-shard 8 --concurrency 4 --drafts 3 --stream-prompt 256 --stream-rounds-per-call 1,4 --out "$OUT/spec.json"
+
+# 4. The prefill program's temporary memory on the Pallas path (compile only).
+step prefill_memory 80 python3 scripts/estimate_prefill_memory.py --layers 4 --prompt 131072 --chunks 8192,2048
+
+cat "$OUT/summary.txt"
