@@ -99,6 +99,10 @@ class Conversation:
     """
     ids = [int(t) for t in prompt_ids]
     self._check(ids, max_new_tokens)
+    if any(x.is_deleted() for x in jax.tree.leaves(self._caches)):
+      # An earlier turn was interrupted while a call held the (donated) caches: start them afresh.
+      self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=self._slots)
+      self.history = []
     # Reuse the cached prefix, but prefill at least the last prompt token: its logits give the first new token.
     reused = min(common_prefix_length(self.history, ids), len(ids) - 1)
     new = ids[reused:]

@@ -1,6 +1,7 @@
 """Multi-turn conversations that keep their caches: every reply equals generate() on the whole conversation, while
 only the ids past the cached prefix are prefilled (new turns, rewritten history, cache-end padding, chunks, stops)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -123,3 +124,20 @@ def test_bad_requests_fail_before_compute(model, ids):
   with pytest.raises(ValueError, match="outside"):
     next(conv.reply([model.config.text.vocab_size], max_new_tokens=5))
   assert conv.history == []
+
+
+def test_an_abandoned_or_interrupted_reply_leaves_a_usable_conversation(model, ids):
+  conv = Conversation(model, max_length=256, eos_token_ids=(), steps_per_call=2)
+  prompt = ids[0, :40].tolist()
+  stream = conv.reply(prompt, max_new_tokens=12)
+  first = next(stream).tolist()
+  stream.close()  # the caller stops reading after 2 tokens: the history holds what it read
+  assert conv.history == prompt + first and len(first) == 2
+  follow = conv.history + ids[1, :10].tolist()
+  assert _reply(conv, follow, 6) == _alone(model, follow, 6, eos_token_ids=())
+  assert conv.last_turn.reused == len(prompt) + 2
+  # A Ctrl-C while a call held the donated caches leaves them deleted: the next turn starts them afresh.
+  for leaf in jax.tree.leaves(conv.caches):
+    leaf.delete()
+  assert _reply(conv, follow, 6) == _alone(model, follow, 6, eos_token_ids=())
+  assert conv.last_turn.reused == 0

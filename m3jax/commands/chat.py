@@ -73,13 +73,16 @@ def run(args: argparse.Namespace) -> int:
     first_at = None
     reply: list[int] = []
     printed = ""
-    for tokens in conv.reply(ids, max_new_tokens=args.max_new_tokens):
-      first_at = first_at or time.perf_counter()
-      reply.extend(int(t) for t in tokens if int(t) not in eos)
-      text = tokenizer.decode(reply, skip_special_tokens=False)
-      sys.stdout.write(text[len(printed):])
-      sys.stdout.flush()
-      printed = text
+    try:
+      for tokens in conv.reply(ids, max_new_tokens=args.max_new_tokens):
+        first_at = first_at or time.perf_counter()
+        reply.extend(int(t) for t in tokens if int(t) not in eos)
+        text = tokenizer.decode(reply, skip_special_tokens=False)
+        sys.stdout.write(text[len(printed):])
+        sys.stdout.flush()
+        printed = text
+    except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat; the reply so far stays in the conversation
+      print(" [interrupted]", file=sys.stderr)
     end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
