@@ -7,18 +7,24 @@ rewrites history (dropping a previous reply's reasoning, say, or re-tokenising i
 where the ids first differ. That is exact, not an approximation: every cache slot is anchored to its position and
 a query reads only positions at or before its own, so slots past the common prefix are rewritten before any
 query can see them (m3jax.cache).
+
+Multimodal turns pass ``prompt_embeds`` for the whole conversation (``model.embed_multimodal``); image and video
+placeholder positions then match only if their embeddings do too (a fingerprint of each placeholder row), so a
+different image behind the same placeholder ids is prefilled again, never served from the cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, bucket_length, check_prefill_chunk,
+from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, bucket_length, check_prefill_chunk, pad_embeds,
                             prefill_in_chunks)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams
@@ -56,6 +62,8 @@ class Conversation:
   counts of the last ``reply``.
   """
 
+  _FINGERPRINT_DIMS = 4  # random projections of an image / video placeholder's embedding row
+
   def __init__(self, model: M3ForCausalLM, *, max_length: int, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                steps_per_call: int = 4, prefill_chunk: int | None = None):
@@ -78,7 +86,10 @@ class Conversation:
     self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=self._slots)
     self._key = self._decoder.put(jax.random.key(seed))
     self.history: list[int] = []
+    self._keys: list[int] = []  # per history position: the id, or a fingerprint of a media placeholder's embedding
     self.last_turn = TurnStats()
+    media = (model.config.image_token_id, model.config.video_token_id)
+    self._media_ids = np.asarray([t for t in media if t is not None], np.int64)
 
   @property
   def caches(self) -> tuple:
@@ -87,10 +98,12 @@ class Conversation:
 
   def reset(self) -> None:
     """Forgets the conversation (the caches are kept and overwritten by the next turn)."""
-    self.history = []
+    self.history, self._keys = [], []
 
-  def reply(self, prompt_ids: Sequence[int], *, max_new_tokens: int) -> Iterator[np.ndarray]:
-    """Continues the conversation: ``prompt_ids`` is the whole conversation so far (not only the new turn).
+  def reply(self, prompt_ids: Sequence[int], *, max_new_tokens: int, prompt_embeds: jax.Array | None = None
+            ) -> Iterator[np.ndarray]:
+    """Continues the conversation: ``prompt_ids`` is the whole conversation so far (not only the new turn), and
+    ``prompt_embeds`` [1, len(prompt_ids), H] its embeddings when it holds images or videos (as in ``generate``).
 
     Yields int32 arrays of new tokens as they are produced (up to ``steps_per_call`` at a time); the last one
     ends with a stop token, or the reply ends at ``max_new_tokens``. Afterwards ``history`` is the prompt plus the
@@ -99,14 +112,17 @@ class Conversation:
     """
     ids = [int(t) for t in prompt_ids]
     self._check(ids, max_new_tokens)
+    if prompt_embeds is not None and (prompt_embeds.ndim != 3 or prompt_embeds.shape[:2] != (1, len(ids))):
+      raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}; expected [1, {len(ids)}, hidden]")
     if any(x.is_deleted() for x in jax.tree.leaves(self._caches)):
       # An earlier turn was interrupted while a call held the (donated) caches: start them afresh.
       self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=self._slots)
-      self.history = []
+      self.history, self._keys = [], []
+    keys = self._content_keys(ids, prompt_embeds)
     # Reuse the cached prefix, but prefill at least the last prompt token: its logits give the first new token.
-    reused = min(common_prefix_length(self.history, ids), len(ids) - 1)
+    reused = min(common_prefix_length(self._keys, keys), len(ids) - 1)
     new = ids[reused:]
-    self.history = ids[:reused]  # what the caches hold from here on, should the turn be interrupted
+    self.history, self._keys = ids[:reused], keys[:reused]  # what the caches hold, should the turn be interrupted
     width = bucket_length(len(new))
     if self.prefill_chunk is not None and width > self.prefill_chunk:
       chunk = self.prefill_chunk
@@ -115,10 +131,11 @@ class Conversation:
     padded = np.zeros((1, width), np.int32)
     padded[0, : len(new)] = new
     put = self._decoder.put
+    embeds = None if prompt_embeds is None else put(pad_embeds(jnp.asarray(prompt_embeds)[:, reused:], padded))
     logits, self._caches = _extend_jit(self._decoder.graph, self._decoder.params, put(padded),
                                        put(np.asarray([reused], np.int32)), put(np.asarray([len(new)], np.int32)),
-                                       self._caches, chunk=chunk, max_position=self._slots - 1)
-    self.history = list(ids)
+                                       embeds, self._caches, chunk=chunk, max_position=self._slots - 1)
+    self.history, self._keys = list(ids), keys
     self.last_turn = TurnStats(reused=reused, prefilled=len(new))
     yield from self._decode(logits, max_new_tokens)
 
@@ -145,12 +162,30 @@ class Conversation:
           tokens = tokens[: stops[0] + 1]
           finished = True
         self.history.extend(tokens.tolist())
+        self._keys.extend(tokens.tolist())
         self.last_turn.generated += len(tokens)
         if tokens.size:
           yield tokens
         if finished or self.last_turn.generated == max_new_tokens:
           return
       pending = dispatched
+
+  def _content_keys(self, ids: list[int], prompt_embeds: jax.Array | None) -> list[int]:
+    """What decides that a cached position can serve ``ids[t]``: the id itself (>= 0), or, at an image / video
+    placeholder when embeddings are given, a fingerprint of its embedding row (< 0): a few fixed random
+    projections, computed on the device, hashed on the host."""
+    keys = list(ids)
+    if prompt_embeds is None or not self._media_ids.size:
+      return keys
+    where = np.flatnonzero(np.isin(np.asarray(ids, np.int64), self._media_ids))
+    if not where.size:
+      return keys
+    projections = np.asarray(_fingerprints(jnp.asarray(prompt_embeds)[0], jnp.asarray(where, jnp.int32),
+                                           dims=self._FINGERPRINT_DIMS))
+    for t, row in zip(where.tolist(), projections):
+      digest = hashlib.blake2b(row.tobytes() + ids[t].to_bytes(8, "little"), digest_size=8).digest()
+      keys[t] = -1 - (int.from_bytes(digest, "little") >> 1)
+    return keys
 
   def _check(self, ids: list[int], max_new_tokens: int) -> None:
     if not ids:
@@ -171,16 +206,26 @@ def _init_caches_jit(graph: _GraphKey, params, *, slots: int) -> tuple:
   return graph.merge(params).init_caches(1, slots)
 
 
+@functools.partial(jax.jit, static_argnames=("dims",))
+def _fingerprints(embeds: jax.Array, rows: jax.Array, *, dims: int) -> jax.Array:
+  """embeds [S, H], rows int32 [n] -> fp32 [n, dims]: each row projected on ``dims`` fixed random directions."""
+  directions = jax.random.normal(jax.random.key(0x5EED), (embeds.shape[-1], dims), jnp.float32)
+  return jnp.dot(embeds[rows].astype(jnp.float32), directions, precision=jax.lax.Precision.HIGHEST)
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "chunk", "max_position"), donate_argnames=("caches",))
-def _extend_jit(graph: _GraphKey, params, ids, start, lengths, caches, *, chunk: int | None, max_position: int):
-  """ids int32 [B, N] (right-padded; ``lengths`` [B] real) written at positions start [B] + 0 .. N - 1, attending
-  to the caches' earlier positions -> (logits fp32 [B, V] at each row's last real id, caches)."""
+def _extend_jit(graph: _GraphKey, params, ids, start, lengths, embeds, caches, *, chunk: int | None,
+                max_position: int):
+  """ids int32 [B, N] (right-padded; ``lengths`` [B] real; embeds [B, N, H] or None) written at positions
+  start [B] + 0 .. N - 1, attending to the caches' earlier positions -> (logits fp32 [B, V] at each row's last
+  real id, caches)."""
   model = graph.merge(params)
 
   def run(x, positions, caches, at):
-    (tokens,) = x
-    out = model.forward(tokens, positions=positions, caches=caches, logits_at=at)
+    tokens, emb = x
+    out = model.forward(tokens, positions=positions, caches=caches, logits_at=at, inputs_embeds=emb)
     return out.logits[:, 0], (), out.caches
 
-  logits, _, caches = prefill_in_chunks(run, (ids,), lengths, caches, chunk, start=start, max_position=max_position)
+  logits, _, caches = prefill_in_chunks(run, (ids, embeds), lengths, caches, chunk, start=start,
+                                        max_position=max_position)
   return logits, caches

@@ -250,3 +250,22 @@ def test_batch_names_the_bad_line(capsys, demo_dir, tmp_path, line, message):
   assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(tmp_path / "o.jsonl")]) == 2
   assert message in capsys.readouterr().err
   assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_chat_with_an_image_reuses_the_image_turn(capsys, monkeypatch, demo_dir, tmp_path):
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  from m3jax.vision import IMAGE_MARKER, build_multimodal_inputs  # pylint: disable=g-import-not-at-top
+
+  path = tmp_path / "img.png"
+  Image.fromarray((np.random.default_rng(0).random((60, 90, 3)) * 255).astype("uint8")).save(path)
+  monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {tmp_path / 'missing.png'}\n/image {path}\nDescribe.\n"
+                                               "And the colours?\n"))
+  assert cli.main(["chat", str(demo_dir), "--max-new-tokens", "4", "--kernels", "reference"]) == 0
+  err = capsys.readouterr().err
+  assert "missing.png: no such file: /image ignored" in err and "img.png attached to the next turn" in err
+  turns = re.findall(r"turn (\d): (\d+) tokens from the cache, (\d+) prefilled", err)
+  text = render_messages(demo_dir, [{"role": "user", "content": IMAGE_MARKER + "Describe."}])
+  n1 = build_multimodal_inputs(text, load_tokenizer(demo_dir), images=[path]).input_ids.shape[1]
+  one_marker = len(load_tokenizer(demo_dir).encode(text, add_special_tokens=False).ids)
+  assert turns[0][1:] == ("0", str(n1)) and n1 == one_marker + 2 + 5  # start, 6 placeholders (24 patches / 4), end
+  assert int(turns[1][1]) >= n1  # turn 2 re-renders the image turn, served from the cache

@@ -141,3 +141,39 @@ def test_an_abandoned_or_interrupted_reply_leaves_a_usable_conversation(model, i
     leaf.delete()
   assert _reply(conv, follow, 6) == _alone(model, follow, 6, eos_token_ids=())
   assert conv.last_turn.reused == 0
+
+
+def test_multimodal_turns_reuse_the_cache_only_where_the_images_match():
+  ref = np.load(FIXTURES / "vl_tiny" / "reference.npz")
+  vl = m3jax.load(FIXTURES / "vl_tiny" / "checkpoint", kernels="reference")
+  pixels = {k: ref[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+  prompt = ref["input_ids"][0].tolist()
+  conv = Conversation(vl, max_length=512, eos_token_ids=())
+  embeds = vl.embed_multimodal(ref["input_ids"], **pixels)
+  reply = _reply_mm(conv, prompt, embeds, 6)
+  assert reply == _alone(vl, prompt, 6, eos_token_ids=(), prompt_embeds=embeds)
+
+  prompt2 = prompt + reply + [7, 8, 9, 10, 11]
+  embeds2 = vl.embed_multimodal(np.asarray([prompt2]), **pixels)
+  reply2 = _reply_mm(conv, prompt2, embeds2, 6)
+  assert reply2 == _alone(vl, prompt2, 6, eos_token_ids=(), prompt_embeds=embeds2)
+  assert conv.last_turn.reused == len(prompt) + 6
+
+  # The same ids with other images: the cache serves only the positions before the first image placeholder.
+  other = dict(pixels, pixel_values=pixels["pixel_values"][::-1].copy())
+  embeds3 = vl.embed_multimodal(np.asarray([prompt2]), **other)
+  reply3 = _reply_mm(conv, prompt2, embeds3, 6)
+  assert reply3 == _alone(vl, prompt2, 6, eos_token_ids=(), prompt_embeds=embeds3)
+  assert conv.last_turn.reused == prompt2.index(vl.config.image_token_id)
+  # (This tiny model's tokens hardly depend on the images; its cached keys do.) The caches hold the new images'.
+  fresh = m3jax.prefill(vl, [prompt2], max_new_tokens=1, prompt_embeds=embeds3).caches
+  n = len(prompt2)
+  for a, b in zip(fresh, conv.caches):
+    np.testing.assert_allclose(np.asarray(b.k[0, :n]), np.asarray(a.k[0, :n]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(b.v[0, :n]), np.asarray(a.v[0, :n]), atol=1e-5)
+  with pytest.raises(ValueError, match="prompt_embeds has shape"):
+    next(conv.reply(prompt2, max_new_tokens=2, prompt_embeds=embeds3[:, 1:]))
+
+
+def _reply_mm(conv, prompt, embeds, n):
+  return np.concatenate(list(conv.reply(prompt, max_new_tokens=n, prompt_embeds=embeds))).tolist()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from m3jax.parallel import cli as parallel_cli
 
-_HELP = "one user turn per line; /reset starts over, /exit (or end of input) quits"
+_HELP = ("one user turn per line; /image PATH attaches an image to the next turn, /reset starts over, /exit (or end "
+         "of input) quits")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
   tokenizer = tok_lib.load_tokenizer(args.checkpoint)
   tok_lib.render_messages(args.checkpoint, [{"role": "user", "content": ""}])  # fails early without a template
-  model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
+  model = m3jax.load(args.checkpoint, kernels=args.kernels, **parallel_cli.load_kwargs(args))
   limit = model.config.text.max_position_embeddings
   max_length = args.max_length if args.max_length is not None else min(8192, limit)
   eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
                       prefill_chunk=args.prefill_chunk)
   opening = [] if args.system is None else [{"role": "system", "content": args.system}]
   messages = list(opening)
+  images: list[str] = []  # every image of the conversation, in order
+  pending: list[str] = []  # attached with /image, for the next user turn
   interactive = sys.stdin.isatty()
   print(f"[m3jax] chat ({_HELP}); up to {max_length} tokens", file=sys.stderr)
   turn = 0
@@ -62,19 +66,33 @@ def run(args: argparse.Namespace) -> int:
     if not user.strip():
       continue
     if user.strip() == "/reset":
-      messages = list(opening)
+      messages, images, pending = list(opening), [], []
       conv.reset()
       print("[m3jax] conversation reset", file=sys.stderr)
       continue
+    if user.startswith("/image "):
+      path = user[len("/image "):].strip()
+      if getattr(model, "vision", None) is None:
+        print("[m3jax] this checkpoint has no vision tower: /image ignored", file=sys.stderr)
+      elif not os.path.isfile(path):
+        print(f"[m3jax] {path}: no such file: /image ignored", file=sys.stderr)
+      else:
+        pending.append(path)
+        print(f"[m3jax] {path} attached to the next turn", file=sys.stderr)
+      continue
+    if pending:
+      from m3jax.vision import IMAGE_MARKER  # pylint: disable=g-import-not-at-top
+      user = IMAGE_MARKER * len(pending) + user
+      images, pending = images + pending, []
     messages.append({"role": "user", "content": user})
-    ids = tokenizer.encode(tok_lib.render_messages(args.checkpoint, messages), add_special_tokens=False).ids
+    ids, embeds = _prompt(model, tokenizer, tok_lib.render_messages(args.checkpoint, messages), images)
     turn += 1
     start = time.perf_counter()
     first_at = None
     reply: list[int] = []
     printed = ""
     try:
-      for tokens in conv.reply(ids, max_new_tokens=args.max_new_tokens):
+      for tokens in conv.reply(ids, max_new_tokens=args.max_new_tokens, prompt_embeds=embeds):
         first_at = first_at or time.perf_counter()
         reply.extend(int(t) for t in tokens if int(t) not in eos)
         text = tokenizer.decode(reply, skip_special_tokens=False)
@@ -93,3 +111,14 @@ def run(args: argparse.Namespace) -> int:
           f"{stats.generated} generated; first token after {(first_at or end) - start:.3f}s, decode "
           f"{(stats.generated - 1) / decode_s if decode_s > 0 else float('nan'):.1f} tok/s; conversation "
           f"{len(conv.history)} / {max_length} tokens", file=sys.stderr)
+
+
+def _prompt(model, tokenizer, text: str, images: list[str]):
+  """The rendered conversation -> (token ids, embeddings [1, S, H] or None without images). The vision tower
+  runs over every image of the conversation; the caches decide what is prefilled again (Conversation.reply)."""
+  if not images:
+    return tokenizer.encode(text, add_special_tokens=False).ids, None
+  from m3jax.vision import build_multimodal_inputs  # pylint: disable=g-import-not-at-top
+
+  inputs = build_multimodal_inputs(text, tokenizer, images=images, image_token_id=model.config.image_token_id)
+  return inputs.input_ids[0].tolist(), model.embed_multimodal(inputs.input_ids, **inputs.pixel_kwargs())
