@@ -108,12 +108,16 @@ class Conversation:
     Yields int32 arrays of new tokens as they are produced (up to ``steps_per_call`` at a time); the last one
     ends with a stop token, or the reply ends at ``max_new_tokens``. Afterwards ``history`` is the prompt plus the
     reply. Greedy replies equal ``generate(model, [prompt_ids], ...)``'s tokens, up to floating-point
-    reassociation between a prefill of the whole prompt and one of its tail against the caches.
+    reassociation between a prefill of the whole prompt and one of its tail against the caches. Bad arguments
+    raise here, before anything runs; the prefill runs when the first tokens are asked for.
     """
     ids = [int(t) for t in prompt_ids]
     self._check(ids, max_new_tokens)
     if prompt_embeds is not None and (prompt_embeds.ndim != 3 or prompt_embeds.shape[:2] != (1, len(ids))):
       raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}; expected [1, {len(ids)}, hidden]")
+    return self._turn(ids, max_new_tokens, prompt_embeds)
+
+  def _turn(self, ids: list[int], max_new_tokens: int, prompt_embeds: jax.Array | None) -> Iterator[np.ndarray]:
     if any(x.is_deleted() for x in jax.tree.leaves(self._caches)):
       # An earlier turn was interrupted while a call held the (donated) caches: start them afresh.
       self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=self._slots)

@@ -118,7 +118,7 @@ def test_bad_requests_fail_before_compute(model, ids):
     Conversation(model, max_length=64, prefill_chunk=24)
   conv = Conversation(model, max_length=64, eos_token_ids=())
   with pytest.raises(ValueError, match=r"\(60 tokens\) \+ max_new_tokens \(5\) exceeds max_length \(64"):
-    next(conv.reply(ids[0, :60].tolist(), max_new_tokens=5))
+    conv.reply(ids[0, :60].tolist(), max_new_tokens=5)  # raises at the call, not at the first token
   with pytest.raises(ValueError, match="at least one prompt token"):
     next(conv.reply([], max_new_tokens=5))
   with pytest.raises(ValueError, match="outside"):
