@@ -97,6 +97,7 @@ def _prompts(fixture: str):
 
 def generate(fixture: str, *meshes: str) -> dict:
   from m3jax.conversation import Conversation  # pylint: disable=g-import-not-at-top
+  from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
   from m3jax.generate import generate as gen, generate_stream  # pylint: disable=g-import-not-at-top
 
   prompts, want = _prompts(fixture)
@@ -119,8 +120,14 @@ def generate(fixture: str, *meshes: str) -> dict:
     turn2 = np.concatenate(list(conv.reply(prompt2, max_new_tokens=8)))
     conversation_equal = (np.array_equal(turn1, want[0]) and conv.last_turn.reused == len(prompts[0]) + len(turn1)
                           and np.array_equal(turn2, gen(model, [prompt2], max_new_tokens=8, eos_token_ids=()).tokens[0]))
+    # Continuous batching: 2 slots (one per data rank at data=2) refilled with the 4 requests.
+    engine = Engine(model, slots=2, max_length=384, eos_token_ids=(), steps_per_call=3)
+    for i, p in enumerate(prompts):
+      engine.submit(p, max_new_tokens=want.shape[1], request_id=i)
+    served = {c.request_id: c.tokens for c in engine.run()}
+    engine_equal = all(np.array_equal(served[i], want[i]) for i in range(len(prompts)))
     caches = model.init_caches(len(prompts), 256)
-    out[mesh] = {"equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
+    out[mesh] = {"engine_equal": bool(engine_equal), "equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
                  "stream_equal": bool((streamed == want).all()), "chunked_equal": bool((chunked == want).all()),
                  "conversation_equal": bool(conversation_equal),
                  "cache_k": [list(caches[0].k.shape), str(caches[0].k.sharding.spec)],

@@ -194,7 +194,8 @@ def test_vision_tower_data_parallel_over_images_matches():
 def test_sharded_greedy_generation_matches(meshes):
   result = run_worker("generate", "legacy_b128", *meshes)
   for mesh in meshes:
-    assert all(result[mesh][k] for k in ("equal", "stream_equal", "chunked_equal", "conversation_equal")), (
+    assert all(result[mesh][k] for k in ("equal", "stream_equal", "chunked_equal", "conversation_equal",
+                                          "engine_equal")), (
         mesh, result[mesh])
   if "tensor=8" in meshes:  # 2 KV heads over 8 ranks: replicated 4x, one head per device
     assert result["tensor=8"]["cache_k"] == [[4, 256, 8, 32], "P(None, None, 'tensor', None)"]

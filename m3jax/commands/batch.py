@@ -1,4 +1,5 @@
-"""``m3jax batch``: offline generation for a JSONL file of prompts, in batches, one JSONL line out per prompt.
+"""``m3jax batch``: offline generation for a JSONL file of prompts with continuous batching (m3jax.engine), one
+JSONL line out per prompt.
 
 Input lines are objects with "prompt" (text, tokenised with the checkpoint's tokenizer.json; ``--chat`` wraps it in
 the chat template) or "prompt_ids" (a list of token ids), and optionally "id" (copied to the output). Output lines,
@@ -22,12 +23,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("checkpoint", help="checkpoint directory (safetensors or converted)")
   p.add_argument("--input", required=True, help='JSONL: {"prompt": text} or {"prompt_ids": [ids]}, optional "id"')
   p.add_argument("--output", required=True, help="JSONL written in input order (one line per prompt)")
-  p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
+  p.add_argument("--batch-size", type=int, default=8,
+                 help="sequences decoded together (default 8); each slot takes the next prompt as soon as its own "
+                      "completion stops (continuous batching)")
+  p.add_argument("--steps-per-call", type=int, default=4, help="decode steps per device call (default 4)")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
-  p.add_argument("--seed", type=int, default=0, help="sampling seed of the first batch; batch i uses seed + i")
+  p.add_argument("--seed", type=int, default=0,
+                 help="sampling seed (one random stream for the run: sampled completions depend on the schedule)")
   p.add_argument("--chat", action="store_true", help="wrap text prompts in the checkpoint's chat template")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
@@ -62,6 +67,7 @@ def read_requests(path: str) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
+  from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
 
   if args.batch_size < 1:
     raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -91,26 +97,26 @@ def run(args: argparse.Namespace) -> int:
                                                          else "the prompt has no tokens"))
     prompts.append(ids)
   eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
-  # Batches of similar lengths share a prompt bucket (less padding); results are written in input order.
-  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+  # Continuous batching: --batch-size slots decode together, each refilled as soon as its request stops.
+  engine = Engine(model, slots=args.batch_size, max_length=max(len(p) for p in prompts) + args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
+  for i, ids in enumerate(prompts):
+    engine.submit(ids, max_new_tokens=args.max_new_tokens, request_id=i)
   results: dict[int, dict[str, Any]] = {}
   start = time.perf_counter()
   generated = 0
-  for b, first in enumerate(range(0, len(order), args.batch_size)):
-    rows = order[first:first + args.batch_size]
-    out = m3jax.generate(model, [prompts[i] for i in rows], max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed + b,
-                         eos_token_ids=eos, prefill_chunk=args.prefill_chunk)
-    for row, i in enumerate(rows):
-      ids = out.tokens[row, : out.lengths[row]].tolist()
-      stopped = bool(ids) and ids[-1] in eos
-      generated += len(ids)
-      result = {"id": requests[i].get("id"), "index": i, "prompt_tokens": len(prompts[i]), "completion_ids": ids,
-                "finish_reason": "stop" if stopped else "length"}
-      if tokenizer is not None:
-        result["completion"] = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-      results[i] = result
-    print(f"[m3jax] {len(results)} / {len(prompts)} prompts", file=sys.stderr)
+  for done in engine.run():
+    i, ids = done.request_id, done.tokens.tolist()
+    stopped = done.finish_reason == "stop"
+    generated += len(ids)
+    result = {"id": requests[i].get("id"), "index": i, "prompt_tokens": len(prompts[i]), "completion_ids": ids,
+              "finish_reason": done.finish_reason}
+    if tokenizer is not None:
+      result["completion"] = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+    results[i] = result
+    if len(results) % max(1, len(prompts) // 10) == 0:
+      print(f"[m3jax] {len(results)} / {len(prompts)} prompts", file=sys.stderr)
   seconds = time.perf_counter() - start
   with open(args.output, "w", encoding="utf-8") as f:
     for i in range(len(prompts)):

@@ -1,0 +1,161 @@
+"""Continuous batching: a fixed number of cache slots decoded together, each refilled with the next waiting request
+as soon as its sequence stops (``m3jax batch``).
+
+``generate`` decodes a batch until its longest sequence is done; here a slot whose request has stopped (a stop token,
+or its own ``max_new_tokens``) takes the next request at once: the request is prefilled alone into a cache row of
+the same length, which is written into the slot's row of the batch caches, and the batch's decode steps go on with
+per-slot positions. Free slots decode too (static shapes, one compile), into rows nobody reads. Greedy requests get
+exactly the tokens ``generate`` gives them alone (tested); sampled ones draw from one random stream for the engine,
+so their tokens depend on the schedule.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, _prefill, bucket_length, check_prefill_chunk)
+from m3jax.model import M3ForCausalLM
+from m3jax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One request's output: request_id (as submitted), tokens int32 [n] (a stop token last if it stopped),
+  finish_reason "stop" | "length"."""
+
+  request_id: Any
+  tokens: np.ndarray
+  finish_reason: str
+
+
+@dataclasses.dataclass
+class _Slot:
+  request_id: Any
+  position: int  # where the next token is written
+  remaining: int  # tokens still allowed
+  tokens: list[int]
+
+
+class Engine:
+  """Continuous batching over ``slots`` cache rows of ``max_length`` tokens.
+
+  Args:
+    model: a loaded M3ForCausalLM (sharded or not; the slots are the batch).
+    slots: sequences decoded together.
+    max_length: the most tokens one request may hold (prompt + new tokens).
+    temperature, top_k, top_p, seed, eos_token_ids: as in ``m3jax.generate``, for every request.
+    steps_per_call: decode steps per device call (a slot that stops mid-call is refilled after the call).
+    prefill_chunk: prefill prompts in chunks of this many tokens, as in ``generate``.
+  """
+
+  def __init__(self, model: M3ForCausalLM, *, slots: int, max_length: int, temperature: float = 0.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+               eos_token_ids: Sequence[int] | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None):
+    if slots < 1:
+      raise ValueError(f"slots must be >= 1, got {slots}")
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+    limit = model.config.text.max_position_embeddings
+    if not 2 <= max_length <= limit:
+      raise ValueError(f"max_length must be in [2, {limit}] (max_position_embeddings), got {max_length}")
+    check_prefill_chunk(prefill_chunk)
+    self.model, self.max_length = model, max_length
+    self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    self.eos = np.asarray(list(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids) or [-1])
+    self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
+    self._decoder = Decoder.of(model)
+    # Room for a bucketed prompt of up to max_length tokens, and for the steps of a call past a request's end.
+    self._cache_len = -(-(bucket_length(max_length) + steps_per_call) // _CACHE_ALIGN) * _CACHE_ALIGN
+    self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=slots, length=self._cache_len)
+    self._logits = self._decoder.put(np.zeros((slots, model.config.text.vocab_size), np.float32))
+    self._key = self._decoder.put(jax.random.key(seed))
+    self._slots: list[_Slot | None] = [None] * slots
+    self._waiting: collections.deque[tuple[Any, list[int], int]] = collections.deque()
+    self.prefills = 0  # admissions so far
+    self.decode_calls = 0
+
+  def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, request_id: Any = None) -> None:
+    """Queues a request (checked now; run by ``run``)."""
+    ids = [int(t) for t in prompt_ids]
+    vocab = self.model.config.text.vocab_size
+    if not ids:
+      raise ValueError(f"request {request_id!r}: the prompt needs at least one token")
+    if min(ids) < 0 or max(ids) >= vocab:
+      raise ValueError(f"request {request_id!r}: prompt ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
+    if max_new_tokens < 1:
+      raise ValueError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if len(ids) + max_new_tokens > self.max_length:
+      raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                       f"exceeds the engine's max_length ({self.max_length})")
+    self._waiting.append((request_id, ids, max_new_tokens))
+
+  def run(self) -> Iterator[Completion]:
+    """Runs every submitted request (and those submitted meanwhile) to completion, yielding each one as it ends."""
+    while self._waiting or any(s is not None for s in self._slots):
+      self._admit()
+      tokens = self._decode_call()
+      yield from self._collect(tokens)
+
+  def _admit(self) -> None:
+    put = self._decoder.put
+    for i, slot in enumerate(self._slots):
+      if slot is not None or not self._waiting:
+        continue
+      request_id, ids, max_new = self._waiting.popleft()
+      width = bucket_length(len(ids))
+      chunk = self.prefill_chunk if self.prefill_chunk is not None and self.prefill_chunk < width else None
+      prompt = np.zeros((1, width), np.int32)
+      prompt[0, : len(ids)] = ids
+      self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompt),
+                                              put(np.asarray([len(ids)], np.int32)), put(np.int32(i)), self._logits,
+                                              self._caches, cache_len=self._cache_len, chunk=chunk)
+      self._slots[i] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[])
+      self.prefills += 1
+
+  def _decode_call(self) -> np.ndarray:
+    """One call of steps_per_call steps over every slot -> tokens int32 [steps, slots]. Free slots write at 0."""
+    positions = np.asarray([0 if s is None else s.position for s in self._slots], np.int32)
+    tokens, self._logits, self._caches, self._key = self._decoder.sample_steps(
+        self._logits, self._caches, positions, self._key, self.sampling, self.steps_per_call)
+    self.decode_calls += 1
+    return np.asarray(tokens)
+
+  def _collect(self, tokens: np.ndarray) -> Iterator[Completion]:
+    for i, slot in enumerate(self._slots):
+      if slot is None:
+        continue
+      mine = tokens[: slot.remaining, i]
+      stops = np.flatnonzero(np.isin(mine, self.eos))
+      if stops.size:
+        mine = mine[: stops[0] + 1]
+      slot.tokens.extend(mine.tolist())
+      slot.position += self.steps_per_call  # every step of the call wrote a token, past a stop too
+      slot.remaining -= len(mine)
+      if stops.size or slot.remaining == 0:
+        self._slots[i] = None
+        yield Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
+                         finish_reason="stop" if stops.size else "length")
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "slots", "length"))
+def _init_caches_jit(graph: _GraphKey, params, *, slots: int, length: int) -> tuple:
+  return graph.merge(params).init_caches(slots, length)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "cache_len", "chunk"), donate_argnames=("logits", "caches"))
+def _admit_jit(graph: _GraphKey, params, prompt, length, slot, logits, caches, *, cache_len: int, chunk: int | None):
+  """Prefills one prompt [1, W] (``length`` [1] real tokens) into a fresh cache row and writes the row and its
+  last-token logits into batch row ``slot`` -> (logits [slots, V], caches)."""
+  row_logits, row = _prefill(graph.merge(params), prompt, length, cache_len, None, chunk)
+  logits = jax.lax.dynamic_update_slice_in_dim(logits, row_logits.astype(logits.dtype), slot, axis=0)
+  caches = jax.tree.map(lambda big, one: jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), slot, axis=0),
+                        caches, row)
+  return logits, caches

@@ -1,0 +1,75 @@
+"""Continuous batching: each request gets generate()'s own tokens while slots are refilled as requests stop."""
+
+import numpy as np
+import pytest
+
+import m3jax
+from conftest import FIXTURES
+from m3jax.engine import Engine
+from m3jax.generate import generate
+
+
+@pytest.fixture(scope="module")
+def model():
+  return m3jax.load(FIXTURES / "flat_b16" / "checkpoint", kernels="reference")
+
+
+@pytest.fixture(scope="module")
+def ids():
+  return np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"]
+
+
+def _alone(model, prompt, n, eos):
+  out = generate(model, [prompt], max_new_tokens=n, eos_token_ids=eos)
+  return out.tokens[0, : out.lengths[0]].tolist()
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_every_request_gets_its_own_greedy_tokens_as_slots_are_refilled(model, ids, steps_per_call):
+  prompts = [ids[0, :150], ids[1, :37], ids[0, 20:101], ids[1, 90:110], ids[0, :100], ids[1, :64]]
+  budgets = [10, 3, 7, 5, 12, 8]
+  # A stop token that the first request meets early: its slot frees after a few tokens.
+  stop = _alone(model, prompts[0].tolist(), 10, ())[2]
+  engine = Engine(model, slots=2, max_length=256, eos_token_ids=(stop,), steps_per_call=steps_per_call)
+  for i, (p, n) in enumerate(zip(prompts, budgets)):
+    engine.submit(p.tolist(), max_new_tokens=n, request_id=f"r{i}")
+  done = {c.request_id: c for c in engine.run()}
+  assert sorted(done) == [f"r{i}" for i in range(6)] and engine.prefills == 6
+  for i, (p, n) in enumerate(zip(prompts, budgets)):
+    want = _alone(model, p.tolist(), n, (stop,))
+    got = done[f"r{i}"]
+    assert got.tokens.dtype == np.int32 and got.tokens.tolist() == want, i
+    assert got.finish_reason == ("stop" if want[-1] == stop else "length")
+  assert done["r0"].finish_reason == "stop" and len(done["r0"].tokens) == 3
+  # The slots overlap the requests: fewer decode calls than running them one after another.
+  sequential = sum(-(-len(c.tokens) // steps_per_call) for c in done.values())
+  assert engine.decode_calls < sequential
+
+
+def test_requests_submitted_while_running_are_served(model, ids):
+  engine = Engine(model, slots=1, max_length=128, eos_token_ids=(), steps_per_call=2)
+  engine.submit(ids[0, :30].tolist(), max_new_tokens=4, request_id="a")
+  got = []
+  for c in engine.run():
+    got.append(c)
+    if c.request_id == "a":
+      engine.submit(ids[1, :50].tolist(), max_new_tokens=5, request_id="b")
+  assert [c.request_id for c in got] == ["a", "b"]
+  assert got[1].tokens.tolist() == _alone(model, ids[1, :50].tolist(), 5, ())
+
+
+def test_bad_requests_fail_at_submit(model):
+  engine = Engine(model, slots=2, max_length=64)
+  with pytest.raises(ValueError, match=r"request 'x': prompt \(60 tokens\) \+ max_new_tokens \(5\) exceeds"):
+    engine.submit([1] * 60, max_new_tokens=5, request_id="x")
+  with pytest.raises(ValueError, match="at least one token"):
+    engine.submit([], max_new_tokens=5)
+  with pytest.raises(ValueError, match="outside"):
+    engine.submit([256], max_new_tokens=5)
+  with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+    engine.submit([1], max_new_tokens=0)
+  with pytest.raises(ValueError, match="slots must be >= 1"):
+    Engine(model, slots=0, max_length=64)
+  with pytest.raises(ValueError, match="max_length must be in"):
+    Engine(model, slots=1, max_length=10**6)
+  assert list(engine.run()) == []
