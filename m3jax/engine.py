@@ -18,10 +18,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, _prefill, bucket_length, check_prefill_chunk)
+from m3jax.generate import _CACHE_ALIGN, Decoder, _GraphKey, _prefill, bucket_length, check_prefill_chunk
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams
 
