@@ -78,7 +78,8 @@ class Engine:
     self._key = self._decoder.put(jax.random.key(seed))
     self._slots: list[_Slot | None] = [None] * slots
     self._waiting: collections.deque[tuple[Any, list[int], int]] = collections.deque()
-    self.prefills = 0  # admissions so far
+    self.prefills = 0  # prefill calls so far (each admits every request a free slot can take)
+    self.admitted = 0  # requests admitted so far
     self.decode_calls = 0
 
   def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, request_id: Any = None) -> None:
@@ -104,20 +105,27 @@ class Engine:
       yield from self._collect(tokens)
 
   def _admit(self) -> None:
+    """Fills the free slots with waiting requests: one prefill for all of them (rows padded to a power of two,
+    the padding rows' writes dropped), whose rows and last-token logits go into their slots."""
+    free = [i for i, s in enumerate(self._slots) if s is None][: len(self._waiting)]
+    if not free:
+      return
+    admitted = [self._waiting.popleft() for _ in free]
+    rows = 1 << (len(free) - 1).bit_length()
+    width = bucket_length(max(len(ids) for _, ids, _ in admitted))
+    chunk = self.prefill_chunk if self.prefill_chunk is not None and self.prefill_chunk < width else None
+    prompts = np.zeros((rows, width), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    targets = np.full((rows,), len(self._slots), np.int32)  # out of range: dropped
+    for r, (slot, (request_id, ids, max_new)) in enumerate(zip(free, admitted)):
+      prompts[r, : len(ids)], lengths[r], targets[r] = ids, len(ids), slot
+      self._slots[slot] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[])
     put = self._decoder.put
-    for i, slot in enumerate(self._slots):
-      if slot is not None or not self._waiting:
-        continue
-      request_id, ids, max_new = self._waiting.popleft()
-      width = bucket_length(len(ids))
-      chunk = self.prefill_chunk if self.prefill_chunk is not None and self.prefill_chunk < width else None
-      prompt = np.zeros((1, width), np.int32)
-      prompt[0, : len(ids)] = ids
-      self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompt),
-                                              put(np.asarray([len(ids)], np.int32)), put(np.int32(i)), self._logits,
-                                              self._caches, cache_len=self._cache_len, chunk=chunk)
-      self._slots[i] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[])
-      self.prefills += 1
+    self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompts), put(lengths),
+                                            put(targets), self._logits, self._caches, cache_len=self._cache_len,
+                                            chunk=chunk)
+    self.prefills += 1
+    self.admitted += len(free)
 
   def _decode_call(self) -> np.ndarray:
     """One call of steps_per_call steps over every slot -> tokens int32 [steps, slots]. Free slots write at 0."""
@@ -150,11 +158,11 @@ def _init_caches_jit(graph: _GraphKey, params, *, slots: int, length: int) -> tu
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "cache_len", "chunk"), donate_argnames=("logits", "caches"))
-def _admit_jit(graph: _GraphKey, params, prompt, length, slot, logits, caches, *, cache_len: int, chunk: int | None):
-  """Prefills one prompt [1, W] (``length`` [1] real tokens) into a fresh cache row and writes the row and its
-  last-token logits into batch row ``slot`` -> (logits [slots, V], caches)."""
-  row_logits, row = _prefill(graph.merge(params), prompt, length, cache_len, None, chunk)
-  logits = jax.lax.dynamic_update_slice_in_dim(logits, row_logits.astype(logits.dtype), slot, axis=0)
-  caches = jax.tree.map(lambda big, one: jax.lax.dynamic_update_slice_in_dim(big, one.astype(big.dtype), slot, axis=0),
-                        caches, row)
+def _admit_jit(graph: _GraphKey, params, prompts, lengths, slots, logits, caches, *, cache_len: int,
+               chunk: int | None):
+  """Prefills prompts [R, W] (``lengths`` [R] real tokens) into fresh cache rows and writes row r and its
+  last-token logits into batch row ``slots[r]`` (dropped when out of range) -> (logits [slots, V], caches)."""
+  row_logits, rows = _prefill(graph.merge(params), prompts, lengths, cache_len, None, chunk)
+  logits = logits.at[slots].set(row_logits.astype(logits.dtype), mode="drop")
+  caches = jax.tree.map(lambda big, new: big.at[slots].set(new.astype(big.dtype), mode="drop"), caches, rows)
   return logits, caches

@@ -34,7 +34,8 @@ def test_every_request_gets_its_own_greedy_tokens_as_slots_are_refilled(model, i
   for i, (p, n) in enumerate(zip(prompts, budgets)):
     engine.submit(p.tolist(), max_new_tokens=n, request_id=f"r{i}")
   done = {c.request_id: c for c in engine.run()}
-  assert sorted(done) == [f"r{i}" for i in range(6)] and engine.prefills == 6
+  assert sorted(done) == [f"r{i}" for i in range(6)] and engine.admitted == 6
+  assert engine.prefills < 6  # the first two requests share one prefill
   for i, (p, n) in enumerate(zip(prompts, budgets)):
     want = _alone(model, p.tolist(), n, (stop,))
     got = done[f"r{i}"]
@@ -73,3 +74,16 @@ def test_bad_requests_fail_at_submit(model):
   with pytest.raises(ValueError, match="max_length must be in"):
     Engine(model, slots=1, max_length=10**6)
   assert list(engine.run()) == []
+
+
+def test_one_prefill_admits_several_requests_padding_rows_dropped(model, ids):
+  # 3 requests into 4 free slots: one prefill of 4 rows (the 4th a dropped pad row); the idle 4th slot decodes
+  # into a row nobody reads.
+  engine = Engine(model, slots=4, max_length=256, eos_token_ids=(), steps_per_call=2)
+  prompts = [ids[0, :90].tolist(), ids[1, :17].tolist(), ids[1, 40:140].tolist()]
+  for i, p in enumerate(prompts):
+    engine.submit(p, max_new_tokens=5 + i, request_id=i)
+  done = {c.request_id: c.tokens.tolist() for c in engine.run()}
+  assert engine.prefills == 1 and engine.admitted == 3
+  for i, p in enumerate(prompts):
+    assert done[i] == _alone(model, p, 5 + i, ())
