@@ -2,9 +2,9 @@
 as soon as its sequence stops (``m3jax batch``).
 
 ``generate`` decodes a batch until its longest sequence is done; here a slot whose request has stopped (a stop token,
-or its own ``max_new_tokens``) takes the next request at once: the request is prefilled alone into a cache row of
-the same length, which is written into the slot's row of the batch caches, and the batch's decode steps go on with
-per-slot positions. Free slots decode too (static shapes, one compile), into rows nobody reads. Greedy requests get
+or its own ``max_new_tokens``) takes the next request at once: the requests admitted together are prefilled in one
+call into cache rows of the same length, which are written into their slots' rows of the batch caches, and the
+batch's decode steps go on with per-slot positions. Free slots decode too (static shapes, one compile), into rows nobody reads. Greedy requests get
 exactly the tokens ``generate`` gives them alone (tested); sampled ones draw from one random stream for the engine,
 so their tokens depend on the schedule.
 """
