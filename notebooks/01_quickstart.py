@@ -118,6 +118,34 @@ for question in ["What is sparse attention?", "And the shared expert?"]:
   messages.append({"role": "assistant", "content": tok.decode(reply)})
 
 # %% [markdown]
+# ## Many requests: continuous batching
+# `m3jax.engine.Engine` decodes a fixed number of cache slots together and refills a slot with the next request as
+# soon as its own stops, so short completions do not wait for long ones (`m3jax batch` runs it over a JSONL
+# file). Greedy completions are each request's own `generate` tokens.
+
+# %%
+from m3jax.engine import Engine
+
+engine = Engine(model, slots=2, max_length=128)
+for i, (p, n) in enumerate(zip(prompts, [4, 12, 6])):
+  engine.submit(p, max_new_tokens=n, request_id=i)
+for done in engine.run():
+  print(done.request_id, done.finish_reason, repr(tok.decode(done.tokens.tolist())))
+
+# %% [markdown]
+# ## Scoring: log-probabilities and perplexity
+# `m3jax.token_logprobs` scores every token given the ones before it (the log-softmax runs inside the program, per
+# chunk with `prefill_chunk`, so a long text never holds [tokens, vocab] logits); `score_continuations` sums a
+# continuation's log-likelihood, as evaluation harnesses do. `m3jax score CKPT --text-file F` prints a text's
+# perplexity: the quickest check of a converted checkpoint. (Random weights: about the vocabulary size.)
+
+# %%
+scored = m3jax.token_logprobs(model, [long_prompt], prefill_chunk=64)
+print(f"{scored.scored_tokens} tokens, perplexity {scored.perplexity():.1f} (vocabulary {cfg.vocab_size})")
+choice = m3jax.score_continuations(model, [prompt, prompt], [out.tokens[0, :5].tolist(), prompts[1][:5]])
+print("log-likelihoods", choice.logprob, "greedy", choice.greedy)
+
+# %% [markdown]
 # ## Speculative decoding with the MTP module
 # The demo checkpoint, like M3's, carries one multi-token-prediction (MTP) module. `with_mtp=True` loads it, and
 # `generate_speculative` drafts `num_draft_tokens` tokens per round with it, then verifies them in one target
