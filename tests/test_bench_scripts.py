@@ -405,3 +405,11 @@ def test_estimate_prefill_memory_smoke(tmp_path):
   assert [r["chunk"] for r in rows] == [None, 256, 64]
   assert rows[0]["temp_bytes"] > rows[1]["temp_bytes"] > rows[2]["temp_bytes"] > 0, rows
   assert len({r["argument_bytes"] for r in rows}) == 1 and len({r["output_bytes"] for r in rows}) == 1
+
+
+def test_bench_engine_smoke(tmp_path):
+  out = tmp_path / "engine.json"
+  run_script("scripts/bench_engine.py", "--smoke", "--kernels", "reference", "--out", str(out))
+  r = json.loads(out.read_text())
+  assert r["check_equal"] is True  # the engine's greedy tokens are generate's
+  assert r["static"]["decode_steps"] >= r["engine"]["decode_steps"] > 0 and r["speedup"] > 0
