@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax import sharding
-from m3jax.generate import Decoder, _GraphKey, check_prefill_chunk, pad_prompts, prefill_in_chunks
+from m3jax.generate import Decoder, _GraphKey, check_prefill_chunk, pad_embeds, pad_prompts, prefill_in_chunks
 from m3jax.model import M3ForCausalLM
 
 
@@ -59,7 +59,7 @@ class ContinuationScore:
 
 
 def token_logprobs(model: M3ForCausalLM, sequences: Sequence[Sequence[int]] | np.ndarray, *,
-                   prefill_chunk: int | None = None) -> TokenLogprobs:
+                   prefill_chunk: int | None = None, prompt_embeds: jax.Array | None = None) -> TokenLogprobs:
   """Scores every token of each sequence given the ones before it (one jit-compiled forward).
 
   Args:
@@ -68,6 +68,8 @@ def token_logprobs(model: M3ForCausalLM, sequences: Sequence[Sequence[int]] | np
       or an int array [B, S].
     prefill_chunk: run the forward in chunks of this many tokens (a power of two >= 16; ``generate``'s
       ``prefill_chunk``): peak memory is one chunk's activations and logits, not the whole sequence's.
+    prompt_embeds: [B, <= S, H] embeddings of the sequences holding images or videos (``model.embed_multimodal``),
+      as in ``generate``; the placeholder tokens themselves are scored like any other token.
   """
   check_prefill_chunk(prefill_chunk)
   padded, lengths = pad_prompts(sequences)
@@ -79,8 +81,9 @@ def token_logprobs(model: M3ForCausalLM, sequences: Sequence[Sequence[int]] | np
     raise ValueError(f"a sequence of {int(lengths.max())} tokens exceeds max_position_embeddings ({limit})")
   chunk = prefill_chunk if prefill_chunk is not None and prefill_chunk < padded.shape[1] else None
   decoder = Decoder.of(model)
+  embeds = pad_embeds(prompt_embeds, padded)
   logprobs, greedy = _logprobs_jit(decoder.graph, decoder.params, decoder.put(padded), decoder.put(lengths),
-                                   chunk=chunk)
+                                   None if embeds is None else decoder.put(embeds), chunk=chunk)
   return TokenLogprobs(logprobs=np.asarray(logprobs), greedy=np.asarray(greedy), lengths=lengths)
 
 
@@ -108,23 +111,23 @@ def score_continuations(model: M3ForCausalLM, prompts: Sequence[Sequence[int]],
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "chunk"))
-def _logprobs_jit(graph: _GraphKey, params, ids, lengths, *, chunk: int | None):
-  """ids int32 [B, S] (right-padded; lengths [B]) -> (logprobs fp32 [B, S], greedy bool [B, S]) as in
-  ``TokenLogprobs``."""
+def _logprobs_jit(graph: _GraphKey, params, ids, lengths, embeds, *, chunk: int | None):
+  """ids int32 [B, S] (right-padded; lengths [B]; embeds [B, S, H] or None) -> (logprobs fp32 [B, S], greedy bool
+  [B, S]) as in ``TokenLogprobs``."""
   model = graph.merge(params)
   b, s = ids.shape
   targets = jnp.concatenate([ids[:, 1:], jnp.zeros((b, 1), ids.dtype)], axis=1)  # the token each position predicts
 
   def run(x, positions, caches, at):
     del at
-    tokens, next_tokens = x
-    out = model.forward(tokens, positions=positions, caches=caches)
+    tokens, next_tokens, emb = x
+    out = model.forward(tokens, positions=positions, caches=caches, inputs_embeds=emb)
     logits = out.logits  # fp32 [B, N, V]
     chosen = jnp.take_along_axis(logits, next_tokens[..., None], axis=-1)[..., 0]
     return (), (chosen - jax.nn.logsumexp(logits, axis=-1), chosen >= logits.max(-1)), out.caches
 
   caches = None if chunk is None else model.init_caches(b, s)
-  _, (next_logprob, next_greedy), _ = prefill_in_chunks(run, (ids, targets), lengths, caches, chunk)
+  _, (next_logprob, next_greedy), _ = prefill_in_chunks(run, (ids, targets, embeds), lengths, caches, chunk)
   # Position t predicts token t + 1: shift right by one; token 0 and the padding get no score.
   t = jnp.arange(s)[None]
   scored = (t >= 1) & (t < lengths[:, None])

@@ -95,3 +95,20 @@ def test_bad_inputs_fail_clearly(model):
     score_continuations(model, [[1]], [[]])
   with pytest.raises(ValueError, match="no token to score"):
     token_logprobs(model, [[7]]).perplexity()
+
+
+def test_multimodal_logprobs_follow_the_multimodal_forward():
+  ref = np.load(FIXTURES / "vl_tiny" / "reference.npz")
+  vl = m3jax.load(FIXTURES / "vl_tiny" / "checkpoint", kernels="reference")
+  pixels = {k: ref[k] for k in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+  ids = ref["input_ids"]
+  n = ids.shape[1]
+  embeds = vl.embed_multimodal(ids, **pixels)
+  logits = np.asarray(vl(ids, **pixels), np.float64)[0, :-1]  # the full multimodal forward (HF-checked elsewhere)
+  logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  want = logits[np.arange(n - 1), ids[0, 1:]] - logz
+  for chunk in (None, 64):
+    got = token_logprobs(vl, ids, prompt_embeds=embeds, prefill_chunk=chunk).logprobs[0, 1:n]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+  text_only = token_logprobs(vl, ids).logprobs[0, 1:n]
+  assert np.abs(text_only - want).max() > 1e-3  # the images reach the scores
