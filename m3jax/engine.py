@@ -35,6 +35,15 @@ class Completion:
   finish_reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """A request's tokens from one decode call: new_tokens int32 [n] (n >= 1); completion is set on its last one."""
+
+  request_id: Any
+  new_tokens: np.ndarray
+  completion: Completion | None = None
+
+
 @dataclasses.dataclass
 class _Slot:
   request_id: Any
@@ -99,6 +108,13 @@ class Engine:
 
   def run(self) -> Iterator[Completion]:
     """Runs every submitted request (and those submitted meanwhile) to completion, yielding each one as it ends."""
+    for update in self.stream():
+      if update.completion is not None:
+        yield update.completion
+
+  def stream(self) -> Iterator[Update]:
+    """Like ``run``, yielding every request's new tokens after each decode call (an ``Update`` per active request
+    and call; the request's last one carries its ``Completion``)."""
     while self._waiting or any(s is not None for s in self._slots):
       self._admit()
       tokens = self._decode_call()
@@ -135,7 +151,7 @@ class Engine:
     self.decode_calls += 1
     return np.asarray(tokens)
 
-  def _collect(self, tokens: np.ndarray) -> Iterator[Completion]:
+  def _collect(self, tokens: np.ndarray) -> Iterator[Update]:
     for i, slot in enumerate(self._slots):
       if slot is None:
         continue
@@ -146,10 +162,12 @@ class Engine:
       slot.tokens.extend(mine.tolist())
       slot.position += self.steps_per_call  # every step of the call wrote a token, past a stop too
       slot.remaining -= len(mine)
+      completion = None
       if stops.size or slot.remaining == 0:
         self._slots[i] = None
-        yield Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
-                         finish_reason="stop" if stops.size else "length")
+        completion = Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
+                                finish_reason="stop" if stops.size else "length")
+      yield Update(request_id=slot.request_id, new_tokens=mine.astype(np.int32), completion=completion)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots", "length"))

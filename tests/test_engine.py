@@ -87,3 +87,19 @@ def test_one_prefill_admits_several_requests_padding_rows_dropped(model, ids):
   assert engine.prefills == 1 and engine.admitted == 3
   for i, p in enumerate(prompts):
     assert done[i] == _alone(model, p, 5 + i, ())
+
+
+def test_stream_yields_each_requests_tokens_call_by_call(model, ids):
+  engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=3)
+  budgets = {"a": 7, "b": 4, "c": 5}
+  for (name, n), p in zip(budgets.items(), (ids[0, :50], ids[1, :30], ids[0, 70:120])):
+    engine.submit(p.tolist(), max_new_tokens=n, request_id=name)
+  pieces, completions = {k: [] for k in budgets}, {}
+  for update in engine.stream():
+    assert 1 <= len(update.new_tokens) <= 3 and update.request_id not in completions
+    pieces[update.request_id].append(update.new_tokens.tolist())
+    if update.completion is not None:
+      completions[update.request_id] = update.completion
+  for name, n in budgets.items():
+    assert [len(p) for p in pieces[name]] == [3] * (n // 3) + ([n % 3] if n % 3 else [])
+    assert sum(pieces[name], []) == completions[name].tokens.tolist()
