@@ -50,6 +50,7 @@ class _Slot:
   position: int  # where the next token is written
   remaining: int  # tokens still allowed
   tokens: list[int]
+  finished: bool = False
 
 
 class Engine:
@@ -80,8 +81,9 @@ class Engine:
     self.eos = np.asarray(list(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids) or [-1])
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._decoder = Decoder.of(model)
-    # Room for a bucketed prompt of up to max_length tokens, and for the steps of a call past a request's end.
-    self._cache_len = -(-(bucket_length(max_length) + steps_per_call) // _CACHE_ALIGN) * _CACHE_ALIGN
+    # Room for a bucketed prompt of up to max_length tokens, and for two calls' steps past a request's end (the
+    # call that finishes it and the one dispatched before its tokens are read).
+    self._cache_len = -(-(bucket_length(max_length) + 2 * steps_per_call) // _CACHE_ALIGN) * _CACHE_ALIGN
     self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=slots, length=self._cache_len)
     self._logits = self._decoder.put(np.zeros((slots, model.config.text.vocab_size), np.float32))
     self._key = self._decoder.put(jax.random.key(seed))
@@ -114,11 +116,23 @@ class Engine:
 
   def stream(self) -> Iterator[Update]:
     """Like ``run``, yielding every request's new tokens after each decode call (an ``Update`` per active request
-    and call; the request's last one carries its ``Completion``)."""
-    while self._waiting or any(s is not None for s in self._slots):
+    and call; the request's last one carries its ``Completion``).
+
+    As in ``generate_stream``, call c + 1 is dispatched before call c's tokens are read back, so the host's work on
+    a call (milliseconds at full size) overlaps the device's work on the one before; a request that stops in call c
+    is therefore decoded once more in call c + 1, whose tokens for it are dropped, before its slot is refilled.
+    """
+    pending = None  # the previous call: (tokens on the device, the slots as they were when it was dispatched)
+    while True:
       self._admit()
-      tokens = self._decode_call()
-      yield from self._collect(tokens)
+      dispatched = None
+      if any(s is not None for s in self._slots):
+        dispatched = (self._dispatch(), list(self._slots))
+      if pending is not None:
+        yield from self._collect(*pending)
+      pending = dispatched
+      if pending is None and not self._waiting and all(s is None for s in self._slots):
+        return
 
   def _admit(self) -> None:
     """Fills the free slots with waiting requests: one prefill for all of them (rows padded to a power of two,
@@ -143,27 +157,33 @@ class Engine:
     self.prefills += 1
     self.admitted += len(free)
 
-  def _decode_call(self) -> np.ndarray:
-    """One call of steps_per_call steps over every slot -> tokens int32 [steps, slots]. Free slots write at 0."""
+  def _dispatch(self) -> jax.Array:
+    """Dispatches one call of steps_per_call steps over every slot -> its tokens int32 [steps, slots] (on the
+    device). Free slots write at position 0 of rows nobody reads."""
     positions = np.asarray([0 if s is None else s.position for s in self._slots], np.int32)
+    for s in self._slots:
+      if s is not None:
+        s.position += self.steps_per_call  # every step writes a token, past a stop too
     tokens, self._logits, self._caches, self._key = self._decoder.sample_steps(
         self._logits, self._caches, positions, self._key, self.sampling, self.steps_per_call)
     self.decode_calls += 1
-    return np.asarray(tokens)
+    return tokens
 
-  def _collect(self, tokens: np.ndarray) -> Iterator[Update]:
-    for i, slot in enumerate(self._slots):
-      if slot is None:
+  def _collect(self, tokens: jax.Array, slots: list[_Slot | None]) -> Iterator[Update]:
+    """Reads a call's tokens and hands each to the request that held its slot at dispatch, if still running."""
+    tokens = np.asarray(tokens)
+    for i, slot in enumerate(slots):
+      if slot is None or slot.finished:
         continue
       mine = tokens[: slot.remaining, i]
       stops = np.flatnonzero(np.isin(mine, self.eos))
       if stops.size:
         mine = mine[: stops[0] + 1]
       slot.tokens.extend(mine.tolist())
-      slot.position += self.steps_per_call  # every step of the call wrote a token, past a stop too
       slot.remaining -= len(mine)
       completion = None
       if stops.size or slot.remaining == 0:
+        slot.finished = True
         self._slots[i] = None
         completion = Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
                                 finish_reason="stop" if stops.size else "length")
