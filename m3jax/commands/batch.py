@@ -19,7 +19,7 @@ from m3jax.parallel import cli as parallel_cli
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-  p = sub.add_parser("batch", help="generate for a JSONL file of prompts, in batches (JSONL out)")
+  p = sub.add_parser("batch", help="generate for a JSONL file of prompts with continuous batching (JSONL out)")
   p.add_argument("checkpoint", help="checkpoint directory (safetensors or converted)")
   p.add_argument("--input", required=True, help='JSONL: {"prompt": text} or {"prompt_ids": [ids]}, optional "id"')
   p.add_argument("--output", required=True, help="JSONL written in input order (one line per prompt)")
