@@ -1,0 +1,55 @@
+"""``m3jax serve``: an OpenAI-compatible HTTP server (completions, chat completions, streaming) over continuous
+batching (m3jax.serving, m3jax.engine)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from m3jax.parallel import cli as parallel_cli
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+  p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+  p.add_argument("checkpoint", help="checkpoint directory with tokenizer.json (and a chat template for chat)")
+  p.add_argument("--host", default="127.0.0.1")
+  p.add_argument("--port", type=int, default=8000)
+  p.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+  p.add_argument("--max-length", type=int, default=8192, help="prompt + completion tokens per request (default 8192)")
+  p.add_argument("--temperature", type=float, default=0.0, help="for every request; 0 = greedy (default)")
+  p.add_argument("--top-k", type=int, default=None)
+  p.add_argument("--top-p", type=float, default=None)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--steps-per-call", type=int, default=4, help="decode steps per device call (default 4)")
+  p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
+  p.add_argument("--model-name", default="minimax-m3", help="the id /v1/models reports")
+  p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
+  parallel_cli.add_mesh_arguments(p, distributed=False)
+  p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+  import m3jax  # pylint: disable=g-import-not-at-top
+  from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
+  from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
+  from m3jax.serving import Server, serve  # pylint: disable=g-import-not-at-top
+
+  tok_lib.load_tokenizer(args.checkpoint)  # fails early without one
+  model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
+  eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
+  engine = Engine(model, slots=args.slots, max_length=min(args.max_length, model.config.text.max_position_embeddings),
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
+  server = Server(engine, args.checkpoint, model_name=args.model_name)
+  httpd = serve(server, args.host, args.port)
+  host, port = httpd.server_address[:2]
+  print(f"[m3jax] serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 ({args.slots} slots, "
+        f"up to {engine.max_length} tokens per request)", file=sys.stderr, flush=True)
+  try:
+    httpd.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    httpd.server_close()
+    server.close()
+  return 0

@@ -1,0 +1,135 @@
+"""The OpenAI-compatible server: completions and chat, whole and streamed, concurrent requests sharing the engine's
+slots (each gets generate()'s greedy tokens), and clear 400s for what it does not serve."""
+
+import concurrent.futures
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+import m3jax
+from m3jax.demo import build_demo_checkpoint
+from m3jax.engine import Engine
+from m3jax.generate import generate
+from m3jax.serving import Server, serve
+from m3jax.tokenizer import load_tokenizer, render_messages
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+  ckpt = build_demo_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+  model = m3jax.load(ckpt, kernels="reference", text_only=True)
+  engine = Engine(model, slots=2, max_length=256, steps_per_call=3)
+  server = Server(engine, ckpt, model_name="tiny-m3")
+  httpd = serve(server, port=0)
+  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+  thread.start()
+  yield {"url": f"http://127.0.0.1:{httpd.server_address[1]}", "model": model, "ckpt": ckpt,
+         "tok": load_tokenizer(ckpt), "engine": engine}
+  httpd.shutdown()
+  httpd.server_close()
+  server.close()
+
+
+def _post(url, body, raw=False):
+  req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(req, timeout=300) as r:
+    data = r.read().decode()
+  return data if raw else json.loads(data)
+
+
+def _greedy(s, ids, n):
+  eos = s["model"].config.text.eos_token_ids
+  out = generate(s["model"], [ids], max_new_tokens=n, eos_token_ids=eos)
+  ids = out.tokens[0, : out.lengths[0]].tolist()
+  stopped = ids[-1] in eos
+  return s["tok"].decode(ids[:-1] if stopped else ids, skip_special_tokens=False), ("stop" if stopped else "length"), ids
+
+
+def test_models_and_health(served):
+  with urllib.request.urlopen(served["url"] + "/v1/models") as r:
+    assert json.loads(r.read())["data"][0]["id"] == "tiny-m3"
+  with urllib.request.urlopen(served["url"] + "/health") as r:
+    assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_concurrent_completions_each_get_their_own_greedy_text(served):
+  prompts = ["What is sparse attention?", "Hello", "A block holds one hundred and twenty-eight keys,",
+             "Why a shared expert?", "The quick brown fox"]
+  budgets = [7, 3, 9, 5, 6]
+  with concurrent.futures.ThreadPoolExecutor(5) as pool:  # 5 requests, 2 slots: they queue and share the engine
+    replies = list(pool.map(lambda pb: _post(served["url"] + "/v1/completions",
+                                             {"prompt": pb[0], "max_tokens": pb[1], "model": "tiny-m3"}),
+                            zip(prompts, budgets)))
+  for p, n, r in zip(prompts, budgets, replies):
+    text, reason, ids = _greedy(served, served["tok"].encode(p, add_special_tokens=False).ids, n)
+    assert r["object"] == "text_completion" and r["model"] == "tiny-m3"
+    assert r["choices"][0]["text"] == text and r["choices"][0]["finish_reason"] == reason
+    assert r["usage"]["completion_tokens"] == len(ids)
+
+
+def test_chat_whole_and_streamed(served):
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+  ids = served["tok"].encode(render_messages(served["ckpt"], messages), add_special_tokens=False).ids
+  text, reason, _ = _greedy(served, ids, 8)
+  whole = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 8})
+  assert whole["object"] == "chat.completion"
+  assert whole["choices"][0]["message"] == {"role": "assistant", "content": text}
+  assert whole["usage"]["prompt_tokens"] == len(ids)
+  raw = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "stream": True},
+              raw=True)
+  events = [line[len("data: "):] for line in raw.split("\n\n") if line.startswith("data: ")]
+  assert events[-1] == "[DONE]"
+  chunks = [json.loads(e) for e in events[:-1]]
+  assert len(chunks) >= 3  # 8 tokens at 3 per decode call
+  assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == text
+  assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/v1/completions", {"prompt": "x", "temperature": 0.7}, "temperature=0.7 asked, but this server samples with"),
+    ("/v1/completions", {"prompt": ""}, '"prompt" must be a non-empty string or list of token ids'),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be a positive integer"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 300}, "exceeds the engine's max_length (256)"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "prompt ids outside"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1 is not supported"),
+    ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
+])
+def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, message):
+  with pytest.raises(urllib.error.HTTPError) as e:
+    _post(served["url"] + path, body)
+  assert e.value.code == 400
+  assert message in json.loads(e.value.read())["error"]["message"]
+
+
+def test_greedy_defaults_are_accepted_and_unknown_routes_are_404(served):
+  r = _post(served["url"] + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
+                                                 "top_p": 1.0})
+  assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+  with pytest.raises(urllib.error.HTTPError) as e:
+    _post(served["url"] + "/v1/embeddings", {"input": "x"})
+  assert e.value.code == 404
+
+
+def test_serve_command_starts_a_server(served):
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.Popen([sys.executable, "-m", "m3jax.cli", "serve", served["ckpt"], "--port", "0", "--slots", "2",
+                           "--max-length", "128", "--kernels", "reference"], cwd=repo, stderr=subprocess.PIPE,
+                          text=True, env={**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"})
+  try:
+    line = proc.stderr.readline()
+    port = re.search(r"http://127.0.0.1:(\d+)/v1 \(2 slots, up to 128 tokens per request\)", line)
+    assert port, line
+    r = _post(f"http://127.0.0.1:{port.group(1)}/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert r["choices"][0]["text"] == _greedy(served, served["tok"].encode("Hello", add_special_tokens=False).ids,
+                                              3)[0]
+  finally:
+    proc.terminate()
+    proc.wait(timeout=60)
