@@ -24,6 +24,13 @@ from m3jax import tokenizer as tok_lib
 from m3jax.engine import Engine, Update
 
 
+# Request fields that would change the result, with the values that do not (anything else gets a 400).
+_UNSUPPORTED = {"stop": (None, "", []), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
+                "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "seed": (None,),
+                "response_format": (None, {"type": "text"})}
+
+
 class RequestError(ValueError):
   """A request the server refuses (HTTP 400), with the reason."""
 
@@ -114,6 +121,9 @@ class Server:
       raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if body.get("n", 1) != 1:
       raise RequestError("n > 1 is not supported")
+    for name, harmless in _UNSUPPORTED.items():
+      if name in body and body[name] not in harmless:
+        raise RequestError(f"{name}={body[name]!r} is not supported by this server (it would be ignored)")
     if chat:
       messages = body.get("messages")
       if not isinstance(messages, list) or not messages:
@@ -220,6 +230,7 @@ def make_handler(server: Server):
       self.end_headers()
       ids: list[int] = []
       printed = ""
+      first = True
       kind = "chat.completion.chunk" if chat else "text_completion"
       while True:
         try:
@@ -233,7 +244,9 @@ def make_handler(server: Server):
         text = server.text(shown)
         delta, printed = text[len(printed):], text
         reason = None if done is None else done.finish_reason
-        choice = ({"index": 0, "delta": {"content": delta}} if chat else {"index": 0, "text": delta})
+        message = {"role": "assistant", "content": delta} if first else {"content": delta}
+        first = False
+        choice = ({"index": 0, "delta": message} if chat else {"index": 0, "text": delta})
         self._event({"id": rid, "object": kind, "created": created, "model": server.model_name,
                      "choices": [{**choice, "finish_reason": reason}]})
         if done is not None:

@@ -86,6 +86,7 @@ def test_chat_whole_and_streamed(served):
   assert len(chunks) >= 3  # 8 tokens at 3 per decode call
   assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == text
   assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [reason]
+  assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and "role" not in chunks[1]["choices"][0]["delta"]
 
 
 @pytest.mark.parametrize("path, body, message", [
@@ -96,6 +97,9 @@ def test_chat_whole_and_streamed(served):
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt ids outside"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1 is not supported"),
     ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
+    ("/v1/completions", {"prompt": "x", "stop": ["\n"]}, "stop=['\\n'] is not supported by this server"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     "logprobs=True is not supported"),
 ])
 def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, message):
   with pytest.raises(urllib.error.HTTPError) as e:
