@@ -5,8 +5,10 @@ as soon as its sequence stops (``m3jax batch``).
 or its own ``max_new_tokens``) takes the next request at once: the requests admitted together are prefilled in one
 call into cache rows of the same length, which are written into their slots' rows of the batch caches, and the
 batch's decode steps go on with per-slot positions. Free slots decode too (static shapes, one compile), into rows nobody reads. Greedy requests get
-exactly the tokens ``generate`` gives them alone (tested); sampled ones draw from one random stream for the engine,
-so their tokens depend on the schedule.
+exactly the tokens ``generate`` gives them alone (tested). Each request samples with its own temperature / top-k /
+top-p and seed, drawing token t with a key made from the seed and t's position, so a sampled request's tokens do
+not depend on the schedule or on the other requests (tested); they are not ``generate``'s, whose key stream is
+the batch's.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from m3jax.generate import _CACHE_ALIGN, Decoder, _GraphKey, _prefill, bucket_length, check_prefill_chunk
+from m3jax import sharding
+from m3jax.generate import (_CACHE_ALIGN, Decoder, _decode, _GraphKey, _prefill, bucket_length,
+                            check_prefill_chunk)
 from m3jax.model import M3ForCausalLM
-from m3jax.sampling import SamplingParams
+from m3jax.sampling import SamplingParams, sample_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +55,8 @@ class _Slot:
   position: int  # where the next token is written
   remaining: int  # tokens still allowed
   tokens: list[int]
+  sampling: SamplingParams
+  seed: int
   finished: bool = False
 
 
@@ -60,7 +67,9 @@ class Engine:
     model: a loaded M3ForCausalLM (sharded or not; the slots are the batch).
     slots: sequences decoded together.
     max_length: the most tokens one request may hold (prompt + new tokens).
-    temperature, top_k, top_p, seed, eos_token_ids: as in ``m3jax.generate``, for every request.
+    temperature, top_k, top_p: the sampling of requests that do not set their own (``submit``).
+    seed: the seed of requests that do not set their own (request n draws with a seed derived from it and n).
+    eos_token_ids: as in ``m3jax.generate``.
     steps_per_call: decode steps per device call (a slot that stops mid-call is refilled after the call).
     prefill_chunk: prefill prompts in chunks of this many tokens, as in ``generate``.
   """
@@ -86,15 +95,20 @@ class Engine:
     self._cache_len = -(-(bucket_length(max_length) + 2 * steps_per_call) // _CACHE_ALIGN) * _CACHE_ALIGN
     self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=slots, length=self._cache_len)
     self._logits = self._decoder.put(np.zeros((slots, model.config.text.vocab_size), np.float32))
-    self._key = self._decoder.put(jax.random.key(seed))
+    self._seed = seed
+    self._submitted = 0
     self._slots: list[_Slot | None] = [None] * slots
-    self._waiting: collections.deque[tuple[Any, list[int], int]] = collections.deque()
+    self._waiting: collections.deque[tuple[Any, list[int], int, SamplingParams, int]] = collections.deque()
     self.prefills = 0  # prefill calls so far (each admits every request a free slot can take)
     self.admitted = 0  # requests admitted so far
     self.decode_calls = 0
 
-  def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, request_id: Any = None) -> None:
-    """Queues a request (checked now; run by ``run``)."""
+  def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, request_id: Any = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None) -> None:
+    """Queues a request (checked now; run by ``run``). temperature / top_k / top_p default to the engine's; a
+    sampled request draws token t with a key made from its seed and t's position, so its tokens depend on its
+    prompt, parameters and seed only, not on the requests it shares the slots with."""
     ids = [int(t) for t in prompt_ids]
     vocab = self.model.config.text.vocab_size
     if not ids:
@@ -106,7 +120,18 @@ class Engine:
     if len(ids) + max_new_tokens > self.max_length:
       raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                        f"exceeds the engine's max_length ({self.max_length})")
-    self._waiting.append((request_id, ids, max_new_tokens))
+    try:
+      sampling = SamplingParams(temperature=self.sampling.temperature if temperature is None else temperature,
+                                top_k=self.sampling.top_k if top_k is None else top_k,
+                                top_p=self.sampling.top_p if top_p is None else top_p)
+    except ValueError as e:
+      raise ValueError(f"request {request_id!r}: {e}") from None
+    if seed is None:
+      seed = (self._seed * 1_000_003 + self._submitted) % 2**31
+    elif not 0 <= seed < 2**31:
+      raise ValueError(f"request {request_id!r}: seed must be in [0, 2**31), got {seed}")
+    self._submitted += 1
+    self._waiting.append((request_id, ids, max_new_tokens, sampling, seed))
 
   def run(self) -> Iterator[Completion]:
     """Runs every submitted request (and those submitted meanwhile) to completion, yielding each one as it ends."""
@@ -142,14 +167,15 @@ class Engine:
       return
     admitted = [self._waiting.popleft() for _ in free]
     rows = 1 << (len(free) - 1).bit_length()
-    width = bucket_length(max(len(ids) for _, ids, _ in admitted))
+    width = bucket_length(max(len(a[1]) for a in admitted))
     chunk = self.prefill_chunk if self.prefill_chunk is not None and self.prefill_chunk < width else None
     prompts = np.zeros((rows, width), np.int32)
     lengths = np.ones((rows,), np.int32)
     targets = np.full((rows,), len(self._slots), np.int32)  # out of range: dropped
-    for r, (slot, (request_id, ids, max_new)) in enumerate(zip(free, admitted)):
+    for r, (slot, (request_id, ids, max_new, sampling, seed)) in enumerate(zip(free, admitted)):
       prompts[r, : len(ids)], lengths[r], targets[r] = ids, len(ids), slot
-      self._slots[slot] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[])
+      self._slots[slot] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[],
+                                sampling=sampling, seed=seed)
     put = self._decoder.put
     self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompts), put(lengths),
                                             put(targets), self._logits, self._caches, cache_len=self._cache_len,
@@ -160,12 +186,19 @@ class Engine:
   def _dispatch(self) -> jax.Array:
     """Dispatches one call of steps_per_call steps over every slot -> its tokens int32 [steps, slots] (on the
     device). Free slots write at position 0 of rows nobody reads."""
-    positions = np.asarray([0 if s is None else s.position for s in self._slots], np.int32)
-    for s in self._slots:
+    live = list(self._slots)
+    positions = np.asarray([0 if s is None else s.position for s in live], np.int32)
+    seeds = np.asarray([0 if s is None else s.seed for s in live], np.int32)
+    temperature = np.asarray([0.0 if s is None else s.sampling.temperature for s in live], np.float32)
+    top_k = np.asarray([0 if s is None else s.sampling.top_k or 0 for s in live], np.int32)
+    top_p = np.asarray([1.0 if s is None else s.sampling.top_p or 1.0 for s in live], np.float32)
+    for s in live:
       if s is not None:
         s.position += self.steps_per_call  # every step writes a token, past a stop too
-    tokens, self._logits, self._caches, self._key = self._decoder.sample_steps(
-        self._logits, self._caches, positions, self._key, self.sampling, self.steps_per_call)
+    d, put = self._decoder, self._decoder.put
+    tokens, self._logits, self._caches = _steps_jit(
+        d.graph, d.params, d.decode_weights, self._logits, self._caches, put(positions), put(seeds),
+        put(temperature), put(top_k), put(top_p), num_steps=self.steps_per_call)
     self.decode_calls += 1
     return tokens
 
@@ -188,6 +221,26 @@ class Engine:
         completion = Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
                                 finish_reason="stop" if stops.size else "length")
       yield Update(request_id=slot.request_id, new_tokens=mine.astype(np.int32), completion=completion)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_steps"), donate_argnames=("logits", "caches"))
+def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, positions, seeds, temperature, top_k, top_p,
+               *, num_steps: int):
+  """``num_steps`` decode steps over every slot, each slot sampling with its own parameters and a key made from
+  its seed and the position of the token drawn -> (tokens int32 [num_steps, slots], logits, caches)."""
+  model = graph.merge(params)
+  base = jax.vmap(jax.random.key)(seeds)
+
+  def step(i, carry):
+    tokens, logits, caches = carry
+    keys = jax.vmap(jax.random.fold_in)(base, positions + i)
+    tok = sample_rows(logits, keys, temperature, top_k, top_p)
+    logits, caches = _decode(model, tok, positions + i, caches, decode_weights)
+    return tokens.at[i].set(tok), logits, caches
+
+  carry = (jnp.zeros((num_steps, logits.shape[0]), jnp.int32), logits, caches)
+  tokens, logits, caches = step(0, carry) if num_steps == 1 else jax.lax.fori_loop(0, num_steps, step, carry)
+  return sharding.replicated(tokens, model.sharding_plan), logits, caches
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "slots", "length"))

@@ -58,3 +58,36 @@ def filtered_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
     logits = jnp.where(logits < cutoff, neg_inf, logits)
   return logits
+
+
+def filtered_logits_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+                         ) -> jax.Array:
+  """``filtered_logits`` with parameters per row: logits [B, V], temperature fp32 [B] (rows at 0 are left unscaled:
+  greedy rows take the argmax), top_k int32 [B] (0 = no cut), top_p fp32 [B] (1 = no cut). The vocabulary sort
+  that top-k / top-p need runs only when some sampled row asks for a cut."""
+  logits = logits.astype(jnp.float32)
+  greedy = temperature <= 0.0
+  scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+  neg_inf = jnp.finfo(jnp.float32).min
+  use_k, use_p = (top_k > 0)[:, None], (top_p < 1.0)[:, None]
+
+  def cut(x: jax.Array) -> jax.Array:
+    ordered = jnp.sort(x, axis=-1)[:, ::-1]
+    kth = jnp.take_along_axis(ordered, (jnp.clip(top_k, 1, x.shape[-1]) - 1)[:, None], axis=-1)
+    x = jnp.where(use_k & (x < kth), neg_inf, x)
+    ordered = jnp.where(use_k & (ordered < kth), neg_inf, ordered)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays), as filtered_logits does.
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.take_along_axis(ordered, jnp.sum(mass_before < top_p[:, None], axis=-1, keepdims=True) - 1, axis=-1)
+    return jnp.where(use_p & (x < cutoff), neg_inf, x)
+
+  return jax.lax.cond(jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0))), cut, lambda x: x, scaled)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array
+                ) -> jax.Array:
+  """``sample`` with parameters and a random key per row (``filtered_logits_rows``'s arguments; keys [B]) -> int32
+  token ids [B]. Row b's token depends only on its own logits, parameters and key, not on the other rows."""
+  drawn = jax.vmap(jax.random.categorical)(keys, filtered_logits_rows(logits, temperature, top_k, top_p))
+  return jnp.where(temperature <= 0.0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)

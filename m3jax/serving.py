@@ -5,8 +5,9 @@ rendered with the checkpoint's chat template), ``GET /v1/models``, ``GET /health
 server-sent events, one per decode call that gives the request new tokens, then ``data: [DONE]``.
 
 One worker thread owns the ``Engine`` (the model's only user); HTTP threads validate a request, submit it, and
-wait on their own queue for its tokens. Sampling (temperature, top_k, top_p) is set when the server starts, for
-every request: a request that asks for other values gets a 400 naming them, never a silently different sampler.
+wait on their own queue for its tokens. Each request samples with its own temperature / top_k / top_p / seed (the
+server's start values by default); its tokens do not depend on the other requests (m3jax.engine). Fields that
+would change the result but are not implemented (stop sequences, logprobs, penalties, ...) get a 400 naming them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from m3jax.engine import Engine, Update
 # Request fields that would change the result, with the values that do not (anything else gets a 400).
 _UNSUPPORTED = {"stop": (None, "", []), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
                 "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []), "seed": (None,),
+                "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
                 "response_format": (None, {"type": "text"})}
 
 
@@ -90,31 +91,35 @@ class Server:
     if pending is not None:
       pending.updates.put(update)
 
-  def submit(self, prompt_ids: list[int], max_new_tokens: int) -> queue.Queue:
-    """Queues a request -> the queue its ``Update``s arrive on (an exception if the engine failed)."""
+  def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: dict[str, Any] | None = None
+             ) -> queue.Queue:
+    """Queues a request (``sampling``: Engine.submit's temperature / top_k / top_p / seed) -> the queue its
+    ``Update``s arrive on (an exception if the engine failed)."""
     request_id = next(self._ids)
     updates: queue.Queue = queue.Queue()
     with self._lock:
       try:
-        self.engine.submit(prompt_ids, max_new_tokens=max_new_tokens, request_id=request_id)
+        self.engine.submit(prompt_ids, max_new_tokens=max_new_tokens, request_id=request_id, **(sampling or {}))
       except ValueError as e:
         raise RequestError(str(e).replace(f"request {request_id!r}: ", "")) from None
       self._pending[request_id] = _Pending(updates)
       self._lock.notify_all()
     return updates
 
-  def parse(self, path: str, body: dict[str, Any]) -> tuple[list[int], int]:
-    """A completions / chat request body -> (prompt ids, max_new_tokens); RequestError names what is wrong."""
+  def parse(self, path: str, body: dict[str, Any]) -> tuple[list[int], int, dict[str, Any]]:
+    """A completions / chat request body -> (prompt ids, max_new_tokens, sampling: temperature / top_k / top_p /
+    seed as given); RequestError names what is wrong."""
     if not isinstance(body, dict):
       raise RequestError("the body must be a JSON object")
-    sampling = self.engine.sampling
-    served = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
-    for name, value in served.items():
-      asked = body.get(name)
-      if asked is not None and not (asked == value or (name == "top_p" and value is None and asked == 1.0)
-                                    or (name == "top_k" and value is None and asked in (0, -1))):
-        raise RequestError(f"{name}={asked} asked, but this server samples with {name}={value} for every request "
-                           "(set at start: m3jax serve --temperature / --top-p / --top-k)")
+    sampling = {}
+    for name, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int), ("seed", int)):
+      value = body.get(name)
+      if value is not None:
+        if not isinstance(value, kind) or isinstance(value, bool):
+          raise RequestError(f"{name} must be a number, got {value!r}")
+        sampling[name] = value
+    if sampling.get("top_k") == -1:  # some clients' "no cut"
+      sampling["top_k"] = 0
     chat = path == "/v1/chat/completions"
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 256 if chat else 16))  # OpenAI's defaults
     if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -133,14 +138,14 @@ class Server:
           raise RequestError(f"each message needs a string role and string content, got {m!r}")
       text = tok_lib.render_messages(self.checkpoint, [{"role": m["role"], "content": m["content"]}
                                                        for m in messages])
-      return self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens
+      return self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens, sampling
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-      return self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens
+      return self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-      return prompt, max_tokens
+      return prompt, max_tokens, sampling
     raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
 
   def text(self, ids: list[int]) -> str:
@@ -188,8 +193,8 @@ def make_handler(server: Server):
         self._error(400, f"the body is not JSON: {e}")
         return
       try:
-        prompt_ids, max_tokens = server.parse(self.path, body)
-        updates = server.submit(prompt_ids, max_tokens)
+        prompt_ids, max_tokens, sampling = server.parse(self.path, body)
+        updates = server.submit(prompt_ids, max_tokens, sampling)
       except (RequestError, ValueError) as e:
         self._error(400, str(e))
         return

@@ -103,3 +103,38 @@ def test_stream_yields_each_requests_tokens_call_by_call(model, ids):
   for name, n in budgets.items():
     assert [len(p) for p in pieces[name]] == [3] * (n // 3) + ([n % 3] if n % 3 else [])
     assert sum(pieces[name], []) == completions[name].tokens.tolist()
+
+
+def test_per_row_filtering_equals_the_scalar_sampler():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from m3jax.sampling import SamplingParams, filtered_logits, filtered_logits_rows  # pylint: disable=g-import-not-at-top
+
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(5, 64)) * 3, jnp.float32)
+  params = [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8), (0.5, 10, 0.6), (0.0, 0, 1.0)]
+  rows = filtered_logits_rows(logits, jnp.asarray([p[0] for p in params]), jnp.asarray([p[1] for p in params]),
+                              jnp.asarray([p[2] for p in params]))
+  for b, (t, k, p) in enumerate(params[:4]):
+    want = filtered_logits(logits[b:b + 1], SamplingParams(temperature=t, top_k=k, top_p=p))[0]
+    np.testing.assert_allclose(np.asarray(rows[b]), np.asarray(want), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(rows[4]), np.asarray(logits[4]))  # greedy row: untouched
+
+
+def test_sampled_requests_do_not_depend_on_the_schedule(model, ids):
+  a = dict(prompt=ids[0, :40].tolist(), temperature=0.9, top_p=0.95, seed=11)
+  b = dict(prompt=ids[1, :25].tolist(), temperature=1.2, top_k=20, seed=12)
+
+  def serve(slots, steps, requests):
+    engine = Engine(model, slots=slots, max_length=128, eos_token_ids=(), steps_per_call=steps)
+    for name, r in requests:
+      engine.submit(r["prompt"], max_new_tokens=10, request_id=name,
+                    **{k: v for k, v in r.items() if k != "prompt"})
+    return {c.request_id: c.tokens.tolist() for c in engine.run()}
+
+  alone = serve(1, 1, [("a", a)])["a"]
+  together = serve(3, 3, [("g", dict(prompt=ids[0, 60:90].tolist())), ("b", b), ("a", a)])
+  assert together["a"] == alone
+  assert together["b"] == serve(1, 2, [("b", b)])["b"]
+  assert together["a"] != serve(1, 1, [("a", dict(a, seed=13))])["a"]  # the seed matters
+  assert together["g"] == _alone(model, ids[0, 60:90].tolist(), 10, ())  # greedy beside sampled rows
+  with pytest.raises(ValueError, match="request 'x': top_p must be in"):
+    Engine(model, slots=1, max_length=64).submit([1], max_new_tokens=1, request_id="x", top_p=1.5)

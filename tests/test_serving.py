@@ -90,7 +90,8 @@ def test_chat_whole_and_streamed(served):
 
 
 @pytest.mark.parametrize("path, body, message", [
-    ("/v1/completions", {"prompt": "x", "temperature": 0.7}, "temperature=0.7 asked, but this server samples with"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": "x", "top_p": "high"}, "top_p must be a number"),
     ("/v1/completions", {"prompt": ""}, '"prompt" must be a non-empty string or list of token ids'),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be a positive integer"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 300}, "exceeds the engine's max_length (256)"),
@@ -137,3 +138,14 @@ def test_serve_command_starts_a_server(served):
   finally:
     proc.terminate()
     proc.wait(timeout=60)
+
+
+def test_sampled_requests_follow_their_own_seed(served):
+  body = {"prompt": "What is sparse attention?", "max_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 3}
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    a, b, c = pool.map(lambda x: _post(served["url"] + "/v1/completions", x),
+                       [body, dict(body, prompt="Hello"), body])
+  assert a["choices"][0]["text"] == c["choices"][0]["text"]  # same request, same seed: same text, whatever ran beside
+  other = _post(served["url"] + "/v1/completions", dict(body, seed=4))
+  greedy = _post(served["url"] + "/v1/completions", dict(body, temperature=0))
+  assert len({a["choices"][0]["text"], other["choices"][0]["text"], greedy["choices"][0]["text"]}) == 3

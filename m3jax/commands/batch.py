@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0,
-                 help="sampling seed (one random stream for the run: sampled completions depend on the schedule)")
+                 help="sampling seed; prompt i samples with a seed derived from it and i (independent of the schedule)")
   p.add_argument("--chat", action="store_true", help="wrap text prompts in the checkpoint's chat template")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")

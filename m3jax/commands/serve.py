@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
   p.add_argument("--max-length", type=int, default=8192, help="prompt + completion tokens per request (default 8192)")
-  p.add_argument("--temperature", type=float, default=0.0, help="for every request; 0 = greedy (default)")
+  p.add_argument("--temperature", type=float, default=0.0, help="default for requests that set none; 0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
