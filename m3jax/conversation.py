@@ -83,7 +83,7 @@ class Conversation:
     self.prefill_chunk = prefill_chunk
     self._decoder = Decoder.of(model)
     self._slots = -(-max_length // _CACHE_ALIGN) * _CACHE_ALIGN
-    self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=self._slots)
+    self._caches = self._decoder.init_caches(1, self._slots)
     self._key = self._decoder.put(jax.random.key(seed))
     self.history: list[int] = []
     self._keys: list[int] = []  # per history position: the id, or a fingerprint of a media placeholder's embedding
@@ -120,7 +120,7 @@ class Conversation:
   def _turn(self, ids: list[int], max_new_tokens: int, prompt_embeds: jax.Array | None) -> Iterator[np.ndarray]:
     if any(x.is_deleted() for x in jax.tree.leaves(self._caches)):
       # An earlier turn was interrupted while a call held the (donated) caches: start them afresh.
-      self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=self._slots)
+      self._caches = self._decoder.init_caches(1, self._slots)
       self.history, self._keys = [], []
     keys = self._content_keys(ids, prompt_embeds)
     # Reuse the cached prefix, but prefill at least the last prompt token: its logits give the first new token.
@@ -203,11 +203,6 @@ class Conversation:
       raise ValueError(f"the conversation ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"max_length ({self.max_length} tokens): start a new Conversation with a larger max_length, "
                        "or reset() it")
-
-
-@functools.partial(jax.jit, static_argnames=("graph", "slots"))
-def _init_caches_jit(graph: _GraphKey, params, *, slots: int) -> tuple:
-  return graph.merge(params).init_caches(1, slots)
 
 
 @functools.partial(jax.jit, static_argnames=("dims",))

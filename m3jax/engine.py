@@ -93,7 +93,7 @@ class Engine:
     # Room for a bucketed prompt of up to max_length tokens, and for two calls' steps past a request's end (the
     # call that finishes it and the one dispatched before its tokens are read).
     self._cache_len = -(-(bucket_length(max_length) + 2 * steps_per_call) // _CACHE_ALIGN) * _CACHE_ALIGN
-    self._caches = _init_caches_jit(self._decoder.graph, self._decoder.params, slots=slots, length=self._cache_len)
+    self._caches = self._decoder.init_caches(slots, self._cache_len)
     self._logits = self._decoder.put(np.zeros((slots, model.config.text.vocab_size), np.float32))
     self._seed = seed
     self._submitted = 0
@@ -241,11 +241,6 @@ def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, positio
   carry = (jnp.zeros((num_steps, logits.shape[0]), jnp.int32), logits, caches)
   tokens, logits, caches = step(0, carry) if num_steps == 1 else jax.lax.fori_loop(0, num_steps, step, carry)
   return sharding.replicated(tokens, model.sharding_plan), logits, caches
-
-
-@functools.partial(jax.jit, static_argnames=("graph", "slots", "length"))
-def _init_caches_jit(graph: _GraphKey, params, *, slots: int, length: int) -> tuple:
-  return graph.merge(params).init_caches(slots, length)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "cache_len", "chunk"), donate_argnames=("logits", "caches"))

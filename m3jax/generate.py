@@ -324,6 +324,11 @@ class Decoder:
     params, treedef = jax.tree.flatten(state)
     return cls(_GraphKey(graphdef, treedef), tuple(params), model.sharding_plan)
 
+  def init_caches(self, batch: int, length: int) -> tuple:
+    """Zeroed caches for ``batch`` sequences of ``length`` slots (``M3ForCausalLM.init_caches``, laid out by the
+    model's sharding plan), in one jitted call."""
+    return _init_caches_jit(self.graph, self.params, batch=batch, length=length)
+
   def put(self, x) -> jax.Array:
     """Host value -> jax.Array replicated over the model's mesh."""
     return sharding.put_replicated(x, plan=self.plan)
@@ -351,6 +356,11 @@ class Decoder:
       raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     return _sample_decode_jit(self.graph, self.params, self.decode_weights, logits, caches, self.put(positions), key,
                               sampling=sampling, num_steps=num_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "batch", "length"))
+def _init_caches_jit(graph: _GraphKey, params, *, batch: int, length: int) -> tuple:
+  return graph.merge(params).init_caches(batch, length)
 
 
 @functools.partial(jax.jit, static_argnames=("graph",))

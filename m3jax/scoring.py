@@ -41,11 +41,15 @@ class TokenLogprobs:
     """Tokens with a score: every token but each sequence's first."""
     return int(np.maximum(self.lengths - 1, 0).sum())
 
-  def perplexity(self) -> float:
-    """exp of the mean negative log-likelihood over every scored token of every sequence."""
+  def mean_nll(self) -> float:
+    """The mean negative log-likelihood (nats) over every scored token of every sequence."""
     if self.scored_tokens == 0:
       raise ValueError("no token to score: every sequence has a single token")
-    return math.exp(-float(self.logprobs.astype(np.float64).sum()) / self.scored_tokens)
+    return -float(self.logprobs.astype(np.float64).sum()) / self.scored_tokens
+
+  def perplexity(self) -> float:
+    """exp of ``mean_nll``."""
+    return math.exp(self.mean_nll())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ would change the result but are not implemented (stop sequences, logprobs, penal
 
 from __future__ import annotations
 
-import dataclasses
 import http.server
 import itertools
 import json
@@ -36,11 +35,6 @@ class RequestError(ValueError):
   """A request the server refuses (HTTP 400), with the reason."""
 
 
-@dataclasses.dataclass
-class _Pending:
-  updates: queue.Queue
-
-
 class Server:
   """The engine's worker thread plus the request bookkeeping shared by the HTTP handlers.
 
@@ -54,7 +48,7 @@ class Server:
     self.engine, self.checkpoint, self.model_name = engine, checkpoint, model_name
     self.tokenizer = tok_lib.load_tokenizer(checkpoint)
     self._ids = itertools.count()
-    self._pending: dict[int, _Pending] = {}
+    self._pending: dict[int, queue.Queue] = {}  # request id -> where its updates go
     self._lock = threading.Condition()
     self._stopping = False
     self._worker = threading.Thread(target=self._work, name="m3jax-engine", daemon=True)
@@ -79,17 +73,17 @@ class Server:
       except Exception as e:  # pylint: disable=broad-except
         # The engine failed (e.g. out of device memory): fail every waiting request rather than hang them.
         with self._lock:
-          for pending in self._pending.values():
-            pending.updates.put(e)
+          for updates in self._pending.values():
+            updates.put(e)
           self._pending.clear()
 
   def _deliver(self, update: Update) -> None:
     with self._lock:
-      pending = self._pending.get(update.request_id)
+      updates = self._pending.get(update.request_id)
       if update.completion is not None:
         self._pending.pop(update.request_id, None)
-    if pending is not None:
-      pending.updates.put(update)
+    if updates is not None:
+      updates.put(update)
 
   def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: dict[str, Any] | None = None
              ) -> queue.Queue:
@@ -102,7 +96,7 @@ class Server:
         self.engine.submit(prompt_ids, max_new_tokens=max_new_tokens, request_id=request_id, **(sampling or {}))
       except ValueError as e:
         raise RequestError(str(e).replace(f"request {request_id!r}: ", "")) from None
-      self._pending[request_id] = _Pending(updates)
+      self._pending[request_id] = updates
       self._lock.notify_all()
     return updates
 

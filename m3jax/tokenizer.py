@@ -33,6 +33,11 @@ def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
   return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
 
 
+def stop_token_ids(path: str | os.PathLike, config_eos: tuple[int, ...]) -> tuple[int, ...]:
+  """A checkpoint's stop tokens: the config's eos ids, then generation_config.json's, without repeats."""
+  return tuple(dict.fromkeys(tuple(config_eos) + generation_eos_ids(path)))
+
+
 def render_chat(path: str | os.PathLike, user_message: str) -> str:
   """Applies tokenizer_config.json's chat_template to one user turn, with the generation prompt."""
   return render_messages(path, [{"role": "user", "content": user_message}])

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
       raise ValueError(f"{args.input}:{r['line']}: " + (f"token ids outside [0, {vocab}): {bad[:5]}" if bad
                                                          else "the prompt has no tokens"))
     prompts.append(ids)
-  eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
+  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
   # Continuous batching: --batch-size slots decode together, each refilled as soon as its request stops.
   engine = Engine(model, slots=args.batch_size, max_length=max(len(p) for p in prompts) + args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

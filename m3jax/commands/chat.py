@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from m3jax.commands.generate import _multimodal_prompt, _TokenPrinter
 from m3jax.parallel import cli as parallel_cli
 
 _HELP = ("one user turn per line; /image PATH attaches an image to the next turn, /reset starts over, /exit (or end "
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
   model = m3jax.load(args.checkpoint, kernels=args.kernels, **parallel_cli.load_kwargs(args))
   limit = model.config.text.max_position_embeddings
   max_length = args.max_length if args.max_length is not None else min(8192, limit)
-  eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
+  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
   conv = Conversation(model, max_length=max_length, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, eos_token_ids=eos, steps_per_call=args.steps_per_call,
                       prefill_chunk=args.prefill_chunk)
@@ -89,22 +90,17 @@ def run(args: argparse.Namespace) -> int:
     turn += 1
     start = time.perf_counter()
     first_at = None
-    reply: list[int] = []
-    printed = ""
+    printer = _TokenPrinter(tokenizer)
     try:
       for tokens in conv.reply(ids, max_new_tokens=args.max_new_tokens, prompt_embeds=embeds):
         first_at = first_at or time.perf_counter()
-        reply.extend(int(t) for t in tokens if int(t) not in eos)
-        text = tokenizer.decode(reply, skip_special_tokens=False)
-        sys.stdout.write(text[len(printed):])
-        sys.stdout.flush()
-        printed = text
+        printer.write([int(t) for t in tokens if int(t) not in eos])
     except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat; the reply so far stays in the conversation
       print(" [interrupted]", file=sys.stderr)
     end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
-    messages.append({"role": "assistant", "content": printed})
+    messages.append({"role": "assistant", "content": printer.printed})
     stats = conv.last_turn
     decode_s = end - (first_at or end)
     print(f"[m3jax] turn {turn}: {stats.reused} tokens from the cache, {stats.prefilled} prefilled, "
@@ -113,12 +109,10 @@ def run(args: argparse.Namespace) -> int:
           f"{len(conv.history)} / {max_length} tokens", file=sys.stderr)
 
 
+
 def _prompt(model, tokenizer, text: str, images: list[str]):
   """The rendered conversation -> (token ids, embeddings [1, S, H] or None without images). The vision tower
   runs over every image of the conversation; the caches decide what is prefilled again (Conversation.reply)."""
   if not images:
     return tokenizer.encode(text, add_special_tokens=False).ids, None
-  from m3jax.vision import build_multimodal_inputs  # pylint: disable=g-import-not-at-top
-
-  inputs = build_multimodal_inputs(text, tokenizer, images=images, image_token_id=model.config.image_token_id)
-  return inputs.input_ids[0].tolist(), model.embed_multimodal(inputs.input_ids, **inputs.pixel_kwargs())
+  return _multimodal_prompt(model, tokenizer, text, images)

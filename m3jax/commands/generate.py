@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
       tokenizer = tok_lib.load_tokenizer(args.checkpoint)
     except FileNotFoundError:
       tokenizer = None
-  eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
+  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
   if args.speculative:
     return _run_speculative(args, model, ids, eos, tokenizer, prompt_embeds)
   timings: dict[str, float] = {}

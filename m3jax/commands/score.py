@@ -55,10 +55,8 @@ def run(args: argparse.Namespace) -> int:
   start = time.perf_counter()
   out = token_logprobs(model, [ids], prefill_chunk=args.prefill_chunk)
   seconds = time.perf_counter() - start
-  n = out.scored_tokens
-  nll = -float(out.logprobs.astype(np.float64).sum()) / n
-  print(f"tokens {len(ids)} (scored {n}): mean NLL {nll:.4f} nats, perplexity {out.perplexity():.4f}, "
-        f"greedy accuracy {out.greedy[0, 1:len(ids)].mean():.4f}")
+  print(f"tokens {len(ids)} (scored {out.scored_tokens}): mean NLL {out.mean_nll():.4f} nats, perplexity "
+        f"{out.perplexity():.4f}, greedy accuracy {out.greedy[0, 1:len(ids)].mean():.4f}")
   print(f"[m3jax] {len(ids) / seconds:.1f} tok/s ({seconds:.3f}s, includes compilation)", file=sys.stderr)
   if args.save:
     np.savez(args.save, ids=np.asarray(ids, np.int32), logprobs=out.logprobs[0, :len(ids)],

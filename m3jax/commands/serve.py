@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
   tok_lib.load_tokenizer(args.checkpoint)  # fails early without one
   model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
-  eos = tuple(dict.fromkeys(model.config.text.eos_token_ids + tok_lib.generation_eos_ids(args.checkpoint)))
+  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
   engine = Engine(model, slots=args.slots, max_length=min(args.max_length, model.config.text.max_position_embeddings),
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
