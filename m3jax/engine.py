@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from m3jax.sampling import SamplingParams, sample_rows
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """One request's output: request_id (as submitted), tokens int32 [n] (a stop token last if it stopped),
-  finish_reason "stop" | "length"."""
+  finish_reason "stop" | "length" | "cancelled" (``Engine.cancel``: the tokens it had by then)."""
 
   request_id: Any
   tokens: np.ndarray
@@ -42,7 +43,8 @@ class Completion:
 
 @dataclasses.dataclass(frozen=True)
 class Update:
-  """A request's tokens from one decode call: new_tokens int32 [n] (n >= 1); completion is set on its last one."""
+  """A request's tokens from one decode call: new_tokens int32 [n] (n >= 1, or 0 on a cancelled request's last
+  update); completion is set on its last one."""
 
   request_id: Any
   new_tokens: np.ndarray
@@ -99,6 +101,8 @@ class Engine:
     self._submitted = 0
     self._slots: list[_Slot | None] = [None] * slots
     self._waiting: collections.deque[tuple[Any, list[int], int, SamplingParams, int]] = collections.deque()
+    self._cancelled: set[Any] = set()  # request ids to stop at the next call boundary (``cancel``)
+    self._lock = threading.Lock()  # submit / cancel may come from other threads than the one running stream
     self.prefills = 0  # prefill calls so far (each admits every request a free slot can take)
     self.admitted = 0  # requests admitted so far
     self.decode_calls = 0
@@ -126,12 +130,21 @@ class Engine:
                                 top_p=self.sampling.top_p if top_p is None else top_p)
     except ValueError as e:
       raise ValueError(f"request {request_id!r}: {e}") from None
-    if seed is None:
-      seed = (self._seed * 1_000_003 + self._submitted) % 2**31
-    elif not 0 <= seed < 2**31:
+    if seed is not None and not 0 <= seed < 2**31:
       raise ValueError(f"request {request_id!r}: seed must be in [0, 2**31), got {seed}")
-    self._submitted += 1
-    self._waiting.append((request_id, ids, max_new_tokens, sampling, seed))
+    with self._lock:
+      if seed is None:
+        seed = (self._seed * 1_000_003 + self._submitted) % 2**31
+      self._submitted += 1
+      self._waiting.append((request_id, ids, max_new_tokens, sampling, seed))
+
+  def cancel(self, request_id: Any) -> None:
+    """Stops a request at the next call boundary: a waiting one is never admitted, a running one's slot is freed
+    (its tokens of the call in flight are dropped). ``stream`` then yields its last ``Update``, whose completion
+    has finish_reason "cancelled" and the tokens it had. Unknown or finished ids are ignored. Safe to call from
+    another thread than the one iterating ``stream`` (as the server's request handlers do)."""
+    with self._lock:
+      self._cancelled.add(request_id)
 
   def run(self) -> Iterator[Completion]:
     """Runs every submitted request (and those submitted meanwhile) to completion, yielding each one as it ends."""
@@ -149,6 +162,7 @@ class Engine:
     """
     pending = None  # the previous call: (tokens on the device, the slots as they were when it was dispatched)
     while True:
+      yield from self._drop_cancelled()
       self._admit()
       dispatched = None
       if any(s is not None for s in self._slots):
@@ -159,13 +173,33 @@ class Engine:
       if pending is None and not self._waiting and all(s is None for s in self._slots):
         return
 
+  def _drop_cancelled(self) -> Iterator[Update]:
+    """Removes the requests ``cancel`` named since the last call, from the waiting queue and from their slots."""
+    with self._lock:
+      cancelled, self._cancelled = self._cancelled, set()
+      waiting = [r for r in self._waiting if r[0] in cancelled]
+      if waiting:
+        self._waiting = collections.deque(r for r in self._waiting if r[0] not in cancelled)
+    for request in waiting:
+      yield Update(request_id=request[0], new_tokens=np.zeros((0,), np.int32),
+                   completion=Completion(request_id=request[0], tokens=np.zeros((0,), np.int32),
+                                         finish_reason="cancelled"))
+    for i, slot in enumerate(self._slots):
+      if slot is not None and slot.request_id in cancelled:
+        slot.finished = True  # its tokens in the call in flight are dropped by _collect
+        self._slots[i] = None
+        yield Update(request_id=slot.request_id, new_tokens=np.zeros((0,), np.int32),
+                     completion=Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
+                                           finish_reason="cancelled"))
+
   def _admit(self) -> None:
     """Fills the free slots with waiting requests: one prefill for all of them (rows padded to a power of two,
     the padding rows' writes dropped), whose rows and last-token logits go into their slots."""
-    free = [i for i, s in enumerate(self._slots) if s is None][: len(self._waiting)]
+    with self._lock:
+      free = [i for i, s in enumerate(self._slots) if s is None][: len(self._waiting)]
+      admitted = [self._waiting.popleft() for _ in free]
     if not free:
       return
-    admitted = [self._waiting.popleft() for _ in free]
     rows = 1 << (len(free) - 1).bit_length()
     width = bucket_length(max(len(a[1]) for a in admitted))
     chunk = self.prefill_chunk if self.prefill_chunk is not None and self.prefill_chunk < width else None

@@ -2,37 +2,57 @@
 
 Endpoints: ``POST /v1/completions`` (``prompt``: text or token ids), ``POST /v1/chat/completions`` (``messages``,
 rendered with the checkpoint's chat template), ``GET /v1/models``, ``GET /health``. ``stream: true`` sends
-server-sent events, one per decode call that gives the request new tokens, then ``data: [DONE]``.
+server-sent events, one per decode call that gives the request new text, then ``data: [DONE]``. ``stop`` (a string
+or a list of them) ends the text before the first stop string, with finish_reason "stop", and frees the request's
+slot at once; so does a streaming client that hangs up.
 
 One worker thread owns the ``Engine`` (the model's only user); HTTP threads validate a request, submit it, and
 wait on their own queue for its tokens. Each request samples with its own temperature / top_k / top_p / seed (the
 server's start values by default); its tokens do not depend on the other requests (m3jax.engine). Fields that
-would change the result but are not implemented (stop sequences, logprobs, penalties, ...) get a 400 naming them.
+would change the result but are not implemented (logprobs, penalties, ...) get a 400 naming them. Streamed text
+never shows a partial character (m3jax.detokenize).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import itertools
 import json
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from m3jax import tokenizer as tok_lib
+from m3jax.detokenize import IncrementalText
 from m3jax.engine import Engine, Update
 
 
 # Request fields that would change the result, with the values that do not (anything else gets a 400).
-_UNSUPPORTED = {"stop": (None, "", []), "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
+_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
                 "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                 "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
                 "response_format": (None, {"type": "text"})}
 
 
+_MAX_STOP_STRINGS = 16
+
+
 class RequestError(ValueError):
   """A request the server refuses (HTTP 400), with the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A checked completions / chat request: prompt ids, max_tokens, sampling (Engine.submit's temperature / top_k /
+  top_p / seed, as given) and stop strings."""
+
+  prompt_ids: list[int]
+  max_tokens: int
+  sampling: dict[str, Any]
+  stop: tuple[str, ...] = ()
 
 
 class Server:
@@ -85,24 +105,54 @@ class Server:
     if updates is not None:
       updates.put(update)
 
-  def submit(self, prompt_ids: list[int], max_new_tokens: int, sampling: dict[str, Any] | None = None
-             ) -> queue.Queue:
-    """Queues a request (``sampling``: Engine.submit's temperature / top_k / top_p / seed) -> the queue its
-    ``Update``s arrive on (an exception if the engine failed)."""
+  def submit(self, request: Request) -> tuple[int, queue.Queue]:
+    """Queues a request -> (its id, the queue its ``Update``s arrive on; an exception there if the engine
+    failed)."""
     request_id = next(self._ids)
     updates: queue.Queue = queue.Queue()
     with self._lock:
       try:
-        self.engine.submit(prompt_ids, max_new_tokens=max_new_tokens, request_id=request_id, **(sampling or {}))
+        self.engine.submit(request.prompt_ids, max_new_tokens=request.max_tokens, request_id=request_id,
+                           **request.sampling)
       except ValueError as e:
         raise RequestError(str(e).replace(f"request {request_id!r}: ", "")) from None
       self._pending[request_id] = updates
       self._lock.notify_all()
-    return updates
+    return request_id, updates
 
-  def parse(self, path: str, body: dict[str, Any]) -> tuple[list[int], int, dict[str, Any]]:
-    """A completions / chat request body -> (prompt ids, max_new_tokens, sampling: temperature / top_k / top_p /
-    seed as given); RequestError names what is wrong."""
+  def cancel(self, request_id: int) -> None:
+    """Frees a request's slot (its stop string came, or its client left); its queue gets no more updates."""
+    with self._lock:
+      self._pending.pop(request_id, None)
+    self.engine.cancel(request_id)
+
+  def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = ()
+             ) -> Iterator[tuple[str, str | None, int]]:
+    """A submitted request's text as it comes -> (new text, finish_reason on the last item else None, tokens
+    generated so far). The stop token is not shown; a stop string ends the text before it (finish_reason
+    "stop"; the tokens counted up to the one that completed it) and cancels the rest of the request. Raises
+    what the engine raised."""
+    text = IncrementalText(self.tokenizer, stop)
+    generated = 0
+    while True:
+      update = updates.get()
+      if isinstance(update, Exception):
+        raise update
+      new, done = update.new_tokens.tolist(), update.completion
+      generated += len(new)
+      delta = text.add(new[:-1] if done is not None and done.finish_reason == "stop" else new)
+      if text.stopped:
+        if done is None:
+          self.cancel(request_id)
+        yield delta, "stop", text.stop_index
+        return
+      if done is not None:
+        yield delta + text.finish(), done.finish_reason, generated
+        return
+      yield delta, None, generated
+
+  def parse(self, path: str, body: dict[str, Any]) -> Request:
+    """A completions / chat request body -> the checked Request; RequestError names what is wrong."""
     if not isinstance(body, dict):
       raise RequestError("the body must be a JSON object")
     sampling = {}
@@ -123,6 +173,13 @@ class Server:
     for name, harmless in _UNSUPPORTED.items():
       if name in body and body[name] not in harmless:
         raise RequestError(f"{name}={body[name]!r} is not supported by this server (it would be ignored)")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stop, list) or len(stop) > _MAX_STOP_STRINGS
+        or not all(isinstance(x, str) for x in stop)):
+      raise RequestError(f"stop must be a string or a list of at most {_MAX_STOP_STRINGS} strings, got "
+                         f"{body.get('stop')!r}")
+    stop = tuple(x for x in stop if x)  # "" stops nothing (OpenAI accepts it)
     if chat:
       messages = body.get("messages")
       if not isinstance(messages, list) or not messages:
@@ -132,18 +189,15 @@ class Server:
           raise RequestError(f"each message needs a string role and string content, got {m!r}")
       text = tok_lib.render_messages(self.checkpoint, [{"role": m["role"], "content": m["content"]}
                                                        for m in messages])
-      return self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens, sampling
+      return Request(self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens, sampling, stop)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-      return self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling
+      return Request(self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling, stop)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-      return prompt, max_tokens, sampling
+      return Request(prompt, max_tokens, sampling, stop)
     raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
-
-  def text(self, ids: list[int]) -> str:
-    return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def make_handler(server: Server):
@@ -187,72 +241,61 @@ def make_handler(server: Server):
         self._error(400, f"the body is not JSON: {e}")
         return
       try:
-        prompt_ids, max_tokens, sampling = server.parse(self.path, body)
-        updates = server.submit(prompt_ids, max_tokens, sampling)
+        request = server.parse(self.path, body)
+        request_id, updates = server.submit(request)
       except (RequestError, ValueError) as e:
         self._error(400, str(e))
         return
       chat = self.path == "/v1/chat/completions"
-      created, rid = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{id(updates):x}"
+      reply = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "created": int(time.time()),
+               "model": server.model_name}
+      pieces = server.follow(request_id, updates, request.stop)
       if body.get("stream"):
-        self._stream(updates, chat, created, rid, len(prompt_ids))
+        self._stream(pieces, request_id, chat, reply)
       else:
-        self._whole(updates, chat, created, rid, len(prompt_ids))
+        self._whole(pieces, chat, reply, len(request.prompt_ids))
 
-    def _next(self, updates: queue.Queue) -> Update:
-      update = updates.get()
-      if isinstance(update, Exception):
-        raise update
-      return update
-
-    def _whole(self, updates, chat: bool, created: int, rid: str, prompt_tokens: int) -> None:
+    def _whole(self, pieces, chat: bool, reply: dict[str, Any], prompt_tokens: int) -> None:
+      text = []
       try:
-        while (update := self._next(updates)).completion is None:
-          pass
+        for delta, reason, generated in pieces:
+          text.append(delta)
       except Exception as e:  # pylint: disable=broad-except
         self._error(500, f"generation failed: {e}")
         return
-      done = update.completion
-      ids = done.tokens.tolist()
-      text = server.text(ids[:-1] if done.finish_reason == "stop" else ids)
+      text = "".join(text)
       choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
                 else {"index": 0, "text": text, "logprobs": None})
-      self._json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                       "model": server.model_name, "choices": [{**choice, "finish_reason": done.finish_reason}],
-                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                                 "total_tokens": prompt_tokens + len(ids)}})
+      self._json(200, {**reply, "object": "chat.completion" if chat else "text_completion",
+                       "choices": [{**choice, "finish_reason": reason}],
+                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                                 "total_tokens": prompt_tokens + generated}})
 
-    def _stream(self, updates, chat: bool, created: int, rid: str, prompt_tokens: int) -> None:
+    def _stream(self, pieces, request_id: int, chat: bool, reply: dict[str, Any]) -> None:
       self.send_response(200)
       self.send_header("Content-Type", "text/event-stream")
       self.send_header("Cache-Control", "no-cache")
       self.end_headers()
-      ids: list[int] = []
-      printed = ""
+      self.close_connection = True
       first = True
-      kind = "chat.completion.chunk" if chat else "text_completion"
-      while True:
+      reply = {**reply, "object": "chat.completion.chunk" if chat else "text_completion"}
+      try:
         try:
-          update = self._next(updates)
+          for delta, reason, _ in pieces:
+            if not delta and reason is None:
+              continue  # held back (a partial character, or a possible stop string's start)
+            message = {"role": "assistant", "content": delta} if first else {"content": delta}
+            first = False
+            choice = {"index": 0, "delta": message} if chat else {"index": 0, "text": delta}
+            self._event({**reply, "choices": [{**choice, "finish_reason": reason}]})
+        except (BrokenPipeError, ConnectionResetError):
+          raise
         except Exception as e:  # pylint: disable=broad-except
           self._event({"error": {"message": f"generation failed: {e}", "code": 500}})
-          break
-        done = update.completion
-        ids.extend(update.new_tokens.tolist())
-        shown = ids[:-1] if done is not None and done.finish_reason == "stop" else ids
-        text = server.text(shown)
-        delta, printed = text[len(printed):], text
-        reason = None if done is None else done.finish_reason
-        message = {"role": "assistant", "content": delta} if first else {"content": delta}
-        first = False
-        choice = ({"index": 0, "delta": message} if chat else {"index": 0, "text": delta})
-        self._event({"id": rid, "object": kind, "created": created, "model": server.model_name,
-                     "choices": [{**choice, "finish_reason": reason}]})
-        if done is not None:
-          break
-      self.wfile.write(b"data: [DONE]\n\n")
-      self.wfile.flush()
-      self.close_connection = True
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+      except (BrokenPipeError, ConnectionResetError):
+        server.cancel(request_id)  # the client left: free its slot now rather than after max_tokens
 
     def _event(self, payload: dict[str, Any]) -> None:
       self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

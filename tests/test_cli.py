@@ -237,12 +237,33 @@ def test_batch_writes_each_prompts_own_completion_in_input_order(capsys, demo_di
   assert lines[1]["prompt_tokens"] == 3
 
 
+def test_batch_stop_strings_cut_the_completion_and_its_ids(demo_dir, tmp_path):
+  tok = load_tokenizer(demo_dir)
+  model = m3jax.load(demo_dir, kernels="reference", text_only=True)
+  ids = tok.encode("The quick brown fox", add_special_tokens=False).ids
+  alone = generate(model, [ids], max_new_tokens=30, eos_token_ids=model.config.text.eos_token_ids)
+  want_ids = alone.tokens[0, : alone.lengths[0]].tolist()
+  text = tok.decode(want_ids, skip_special_tokens=False)
+  stop = text[len(text) // 2:len(text) // 2 + 2]
+  src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text(json.dumps({"prompt_ids": ids, "stop": stop}) + "\n" + json.dumps({"prompt_ids": ids}) + "\n")
+  assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--batch-size", "2",
+                   "--max-new-tokens", "30", "--kernels", "reference"]) == 0
+  cut, full = [json.loads(x) for x in dst.read_text().splitlines()]
+  assert full["completion_ids"] == want_ids
+  assert cut["finish_reason"] == "stop" and cut["completion"] == text[:text.find(stop)]
+  n = len(cut["completion_ids"])  # up to the token that completed the stop string
+  assert cut["completion_ids"] == want_ids[:n] and stop in tok.decode(want_ids[:n])
+  assert stop not in tok.decode(want_ids[:n - 1])
+
+
 @pytest.mark.parametrize("line, message", [
     ("not json", "in.jsonl:2: not JSON"),
     ('{"prompt": "a", "prompt_ids": [1]}', 'in.jsonl:2: expected an object with "prompt"'),
     ('{"prompt_ids": [1, "x"]}', '"prompt_ids" must be a non-empty list of ints'),
     ('{"prompt_ids": [1, 100000]}', "in.jsonl:2: token ids outside [0, "),
     ('{"prompt": ""}', '"prompt" must be a non-empty string'),
+    ('{"prompt": "a", "stop": [""]}', 'in.jsonl:2: "stop" must be a non-empty string or a list of them'),
 ])
 def test_batch_names_the_bad_line(capsys, demo_dir, tmp_path, line, message):
   src = tmp_path / "in.jsonl"

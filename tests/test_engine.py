@@ -138,3 +138,31 @@ def test_sampled_requests_do_not_depend_on_the_schedule(model, ids):
   assert together["g"] == _alone(model, ids[0, 60:90].tolist(), 10, ())  # greedy beside sampled rows
   with pytest.raises(ValueError, match="request 'x': top_p must be in"):
     Engine(model, slots=1, max_length=64).submit([1], max_new_tokens=1, request_id="x", top_p=1.5)
+
+
+def test_cancel_frees_a_running_slot_and_drops_a_waiting_request(model, ids):
+  engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=2)
+  prompts = {"long": ids[0, :40], "waiting": ids[1, :30], "other": ids[1, :50], "next": ids[0, 10:60]}
+  for name in ("long", "other", "waiting", "next"):  # "long" and "other" take the two slots
+    engine.submit(prompts[name].tolist(), max_new_tokens=40, request_id=name)
+  got: dict[str, list] = {}
+  done = {}
+  for update in engine.stream():
+    got.setdefault(update.request_id, []).extend(update.new_tokens.tolist())
+    if update.request_id == "long" and len(got["long"]) == 4 and update.completion is None:
+      engine.cancel("long")  # its slot goes to "next", since "waiting" is cancelled before it is admitted
+      engine.cancel("waiting")
+      engine.cancel("no-such-request")  # ignored
+    if update.completion is not None:
+      done[update.request_id] = update.completion
+  assert sorted(done) == ["long", "next", "other", "waiting"]
+  assert done["long"].finish_reason == "cancelled" and done["long"].tokens.tolist() == got["long"]
+  assert got["long"] == _alone(model, prompts["long"].tolist(), 4, ())  # the tokens it had, nothing after
+  assert done["waiting"].finish_reason == "cancelled" and done["waiting"].tokens.size == 0
+  assert engine.admitted == 3  # "waiting" never took a slot
+  for name in ("other", "next"):  # the others are untouched and run to their budget
+    assert done[name].finish_reason == "length"
+    assert done[name].tokens.tolist() == _alone(model, prompts[name].tolist(), 40, ()), name
+  # "long" stopped after its cancel at 4 tokens: with 2 steps per call and one call in flight, it held its slot
+  # for at most 3 calls, so "next" finished well before the 2 x 20 calls two full requests would take.
+  assert engine.decode_calls <= 3 + 20 + 1

@@ -98,7 +98,8 @@ def test_chat_whole_and_streamed(served):
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt ids outside"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1 is not supported"),
     ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
-    ("/v1/completions", {"prompt": "x", "stop": ["\n"]}, "stop=['\\n'] is not supported by this server"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, "stop must be a string or a list of at most 16 strings"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop must be a string or a list of at most 16"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
      "logprobs=True is not supported"),
 ])
@@ -149,3 +150,48 @@ def test_sampled_requests_follow_their_own_seed(served):
   other = _post(served["url"] + "/v1/completions", dict(body, seed=4))
   greedy = _post(served["url"] + "/v1/completions", dict(body, temperature=0))
   assert len({a["choices"][0]["text"], other["choices"][0]["text"], greedy["choices"][0]["text"]}) == 3
+
+
+def test_stop_strings_end_the_text_before_them_whole_and_streamed(served):
+  ids = served["tok"].encode("The quick brown fox", add_special_tokens=False).ids
+  text, _, _ = _greedy(served, ids, 40)
+  assert len(text) > 12
+  stop = text[len(text) // 2:len(text) // 2 + 2]
+  want = text[:text.find(stop)]
+  body = {"prompt": ids, "max_tokens": 40, "stop": [stop, "never-in-the-text"]}
+  whole = _post(served["url"] + "/v1/completions", body)
+  assert whole["choices"][0]["text"] == want and whole["choices"][0]["finish_reason"] == "stop"
+  assert whole["usage"]["completion_tokens"] < 40  # counted up to the token that completed the stop string
+  raw = _post(served["url"] + "/v1/completions", {**body, "stream": True}, raw=True)
+  chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
+  assert "".join(c["choices"][0]["text"] for c in chunks) == want
+  assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+  # The request's slot was given back early: the engine has nothing left running.
+  _wait_until_idle(served)
+
+
+def _wait_until_idle(served, seconds=60):
+  import time  # pylint: disable=g-import-not-at-top
+  deadline = time.monotonic() + seconds
+  engine = served["engine"]
+  while any(s is not None for s in engine._slots) or engine._waiting:  # pylint: disable=protected-access
+    assert time.monotonic() < deadline, "the engine still holds the request"
+    time.sleep(0.05)
+
+
+def test_a_streaming_client_that_hangs_up_frees_its_slot(served):
+  import socket  # pylint: disable=g-import-not-at-top
+  _wait_until_idle(served)
+  calls = served["engine"].decode_calls
+  host, port = served["url"].removeprefix("http://").split(":")
+  body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 240, "stream": True}).encode()
+  with socket.create_connection((host, int(port)), timeout=300) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    received = b""
+    while b"data: {" not in received:  # the first tokens came
+      received += sock.recv(4096)
+    assert received.startswith(b"HTTP/1.1 200")
+  _wait_until_idle(served)
+  # 240 tokens at 3 per call would take 80 calls; the server noticed the hang-up at its next write.
+  assert served["engine"].decode_calls - calls < 20

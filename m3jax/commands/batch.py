@@ -2,9 +2,11 @@
 JSONL line out per prompt.
 
 Input lines are objects with "prompt" (text, tokenised with the checkpoint's tokenizer.json; ``--chat`` wraps it in
-the chat template) or "prompt_ids" (a list of token ids), and optionally "id" (copied to the output). Output lines,
-in input order: {"id", "index", "prompt_tokens", "completion_ids", "completion" (text, with a tokenizer),
-"finish_reason": "stop" | "length"}.
+the chat template) or "prompt_ids" (a list of token ids), and optionally "id" (copied to the output) and "stop" (a
+string or a list of strings: the completion ends before the first one, and its slot is freed at once). Output
+lines, in input order: {"id", "index", "prompt_tokens", "completion_ids", "completion" (text, with a tokenizer),
+"finish_reason": "stop" | "length"}; completion_ids end with the stop token, or with the token that completed a
+stop string (the completion text ends before the stop string).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def read_requests(path: str) -> list[dict[str, Any]]:
       ids = req.get("prompt_ids")
       if ids is not None and (not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids)):
         raise ValueError(f'{path}:{number}: "prompt_ids" must be a non-empty list of ints')
+      stop = req.get("stop", [])
+      stop = [stop] if isinstance(stop, str) else stop
+      if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+        raise ValueError(f'{path}:{number}: "stop" must be a non-empty string or a list of them, got {req["stop"]!r}')
+      req["stop"] = stop
       requests.append({**req, "line": number})
   if not requests:
     raise ValueError(f"{path}: no requests")
@@ -67,6 +74,7 @@ def read_requests(path: str) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
+  from m3jax.detokenize import IncrementalText  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
 
   if args.batch_size < 1:
@@ -82,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = None
   if args.chat and not needs_text:
     raise ValueError("--chat needs text prompts")
+  if tokenizer is None and any(r["stop"] for r in requests):
+    raise ValueError(f'{args.input}: "stop" strings need the checkpoint\'s tokenizer.json')
   model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
   vocab = model.config.text.vocab_size
   prompts = []
@@ -101,22 +111,37 @@ def run(args: argparse.Namespace) -> int:
   engine = Engine(model, slots=args.batch_size, max_length=max(len(p) for p in prompts) + args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
+  texts = [IncrementalText(tokenizer, r["stop"]) if tokenizer is not None else None for r in requests]
   for i, ids in enumerate(prompts):
     engine.submit(ids, max_new_tokens=args.max_new_tokens, request_id=i)
   results: dict[int, dict[str, Any]] = {}
+  tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
   start = time.perf_counter()
-  generated = 0
-  for done in engine.run():
-    i, ids = done.request_id, done.tokens.tolist()
-    stopped = done.finish_reason == "stop"
-    generated += len(ids)
-    result = {"id": requests[i].get("id"), "index": i, "prompt_tokens": len(prompts[i]), "completion_ids": ids,
-              "finish_reason": done.finish_reason}
-    if tokenizer is not None:
-      result["completion"] = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-    results[i] = result
+  for update in engine.stream():
+    i, done = update.request_id, update.completion
+    if i in results:
+      continue  # a request its stop string ended: this is the engine confirming the cancel
+    tokens[i].extend(update.new_tokens.tolist())
+    reason = None if done is None else done.finish_reason
+    text = texts[i]
+    if text is not None:
+      text.add(update.new_tokens.tolist()[:-1] if reason == "stop" else update.new_tokens.tolist())
+      if text.stopped:
+        reason = "stop"
+        if done is None:
+          engine.cancel(i)
+    if reason is None:
+      continue
+    if text is not None and text.stopped:
+      tokens[i] = tokens[i][:text.stop_index]  # up to the token that completed the stop string
+    results[i] = {"id": requests[i].get("id"), "index": i, "prompt_tokens": len(prompts[i]),
+                  "completion_ids": tokens[i], "finish_reason": reason}
+    if text is not None:
+      text.finish()
+      results[i]["completion"] = text.text
     if len(results) % max(1, len(prompts) // 10) == 0:
       print(f"[m3jax] {len(results)} / {len(prompts)} prompts", file=sys.stderr)
+  generated = sum(len(t) for t in tokens.values())
   seconds = time.perf_counter() - start
   with open(args.output, "w", encoding="utf-8") as f:
     for i in range(len(prompts)):

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         printer.write([int(t) for t in tokens if int(t) not in eos])
     except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat; the reply so far stays in the conversation
       print(" [interrupted]", file=sys.stderr)
+    printer.finish()
     end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from m3jax.detokenize import IncrementalText
 from m3jax.parallel import cli as parallel_cli
 
 
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if int(step_tokens[0]) < 0:
       break
     printer.write([int(step_tokens[0])])
+  printer.finish()
   end = time.perf_counter()
   sys.stdout.write("\n")
   sys.stdout.flush()
@@ -130,6 +132,7 @@ def _run_speculative(args: argparse.Namespace, model, ids: list[int], eos: tuple
                                            stats=stats, prefill_chunk=args.prefill_chunk):
     first_token_at = first_token_at or time.perf_counter()
     printer.write(chunk[0].tolist())
+  printer.finish()
   end = time.perf_counter()
   sys.stdout.write("\n")
   sys.stdout.flush()
@@ -144,21 +147,29 @@ def _run_speculative(args: argparse.Namespace, model, ids: list[int], eos: tuple
 
 
 class _TokenPrinter:
-  """Streams generated ids to stdout: as text (the whole completion decoded each time, so that a character
-  spanning several tokens prints once complete), or as ids without a tokenizer."""
+  """Streams generated ids to stdout: as text (m3jax.detokenize: a character spanning several tokens prints once
+  complete), or as ids without a tokenizer. ``finish()`` prints what was held back; ``printed`` is the text."""
 
   def __init__(self, tokenizer):
     self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+    self._text = None if tokenizer is None else IncrementalText(tokenizer)
 
   def write(self, tokens: list[int]) -> None:
     self.ids.extend(tokens)
-    if self.tokenizer is None:
+    if self._text is None:
       sys.stdout.write("".join(f"{t} " for t in tokens))
     else:
-      text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
-      sys.stdout.write(text[len(self.printed):])
-      self.printed = text
+      self._show(self._text.add(tokens))
     sys.stdout.flush()
+
+  def finish(self) -> None:
+    if self._text is not None:
+      self._show(self._text.finish())
+      sys.stdout.flush()
+
+  def _show(self, delta: str) -> None:
+    sys.stdout.write(delta)
+    self.printed += delta
 
 
 def _multimodal_prompt(model, tokenizer, text: str, images: list[str]):
