@@ -34,21 +34,36 @@ from m3jax.sampling import SamplingParams, sample_rows
 @dataclasses.dataclass(frozen=True)
 class Completion:
   """One request's output: request_id (as submitted), tokens int32 [n] (a stop token last if it stopped),
-  finish_reason "stop" | "length" | "cancelled" (``Engine.cancel``: the tokens it had by then)."""
+  finish_reason "stop" | "length" | "cancelled" (``Engine.cancel``: the tokens it had by then), and with
+  ``Engine(logprobs=True)`` each token's log-probability float32 [n]."""
 
   request_id: Any
   tokens: np.ndarray
   finish_reason: str
+  logprobs: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TopLogprobs:
+  """The most likely tokens at each of n positions: ids int32 [n, k] and their log-probabilities float32 [n, k],
+  most likely first (k = the engine's ``top_logprobs``)."""
+
+  ids: np.ndarray
+  logprobs: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
 class Update:
   """A request's tokens from one decode call: new_tokens int32 [n] (n >= 1, or 0 on a cancelled request's last
-  update); completion is set on its last one."""
+  update); completion is set on its last one. With ``Engine(logprobs=True)``: logprobs float32 [n], each new
+  token's log-probability under the model (its raw logits: before temperature, top-k and top-p), and with
+  ``top_logprobs=k`` the k most likely tokens at each of the n positions."""
 
   request_id: Any
   new_tokens: np.ndarray
   completion: Completion | None = None
+  logprobs: np.ndarray | None = None
+  top_logprobs: TopLogprobs | None = None
 
 
 @dataclasses.dataclass
@@ -57,6 +72,7 @@ class _Slot:
   position: int  # where the next token is written
   remaining: int  # tokens still allowed
   tokens: list[int]
+  logprobs: list[float]
   sampling: SamplingParams
   seed: int
   finished: bool = False
@@ -74,11 +90,14 @@ class Engine:
     eos_token_ids: as in ``m3jax.generate``.
     steps_per_call: decode steps per device call (a slot that stops mid-call is refilled after the call).
     prefill_chunk: prefill prompts in chunks of this many tokens, as in ``generate``.
+    logprobs: also return each token's log-probability (one log-softmax over the vocabulary per step).
+    top_logprobs: also return this many most likely tokens per step (needs logprobs; 0 = none).
   """
 
   def __init__(self, model: M3ForCausalLM, *, slots: int, max_length: int, temperature: float = 0.0,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-               eos_token_ids: Sequence[int] | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None):
+               eos_token_ids: Sequence[int] | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None,
+               logprobs: bool = False, top_logprobs: int = 0):
     if slots < 1:
       raise ValueError(f"slots must be >= 1, got {slots}")
     if steps_per_call < 1:
@@ -87,6 +106,11 @@ class Engine:
     if not 2 <= max_length <= limit:
       raise ValueError(f"max_length must be in [2, {limit}] (max_position_embeddings), got {max_length}")
     check_prefill_chunk(prefill_chunk)
+    vocab = model.config.text.vocab_size
+    if not 0 <= top_logprobs <= vocab or (top_logprobs and not logprobs):
+      raise ValueError(f"top_logprobs must be in [0, {vocab}] and needs logprobs=True, got {top_logprobs} "
+                       f"(logprobs={logprobs})")
+    self.logprobs, self.top_logprobs = logprobs, top_logprobs
     self.model, self.max_length = model, max_length
     self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     self.eos = np.asarray(list(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids) or [-1])
@@ -190,7 +214,9 @@ class Engine:
         self._slots[i] = None
         yield Update(request_id=slot.request_id, new_tokens=np.zeros((0,), np.int32),
                      completion=Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
-                                           finish_reason="cancelled"))
+                                           finish_reason="cancelled",
+                                           logprobs=np.asarray(slot.logprobs, np.float32) if self.logprobs
+                                           else None))
 
   def _admit(self) -> None:
     """Fills the free slots with waiting requests: one prefill for all of them (rows padded to a power of two,
@@ -208,7 +234,7 @@ class Engine:
     targets = np.full((rows,), len(self._slots), np.int32)  # out of range: dropped
     for r, (slot, (request_id, ids, max_new, sampling, seed)) in enumerate(zip(free, admitted)):
       prompts[r, : len(ids)], lengths[r], targets[r] = ids, len(ids), slot
-      self._slots[slot] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[],
+      self._slots[slot] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[], logprobs=[],
                                 sampling=sampling, seed=seed)
     put = self._decoder.put
     self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompts), put(lengths),
@@ -217,9 +243,10 @@ class Engine:
     self.prefills += 1
     self.admitted += len(free)
 
-  def _dispatch(self) -> jax.Array:
+  def _dispatch(self) -> dict[str, jax.Array]:
     """Dispatches one call of steps_per_call steps over every slot -> its tokens int32 [steps, slots] (on the
-    device). Free slots write at position 0 of rows nobody reads."""
+    device; with logprobs also "logprobs" [steps, slots] and "top_ids" / "top_logprobs" [steps, slots, k]). Free
+    slots write at position 0 of rows nobody reads."""
     live = list(self._slots)
     positions = np.asarray([0 if s is None else s.position for s in live], np.int32)
     seeds = np.asarray([0 if s is None else s.seed for s in live], np.int32)
@@ -230,15 +257,17 @@ class Engine:
       if s is not None:
         s.position += self.steps_per_call  # every step writes a token, past a stop too
     d, put = self._decoder, self._decoder.put
-    tokens, self._logits, self._caches = _steps_jit(
+    out, self._logits, self._caches = _steps_jit(
         d.graph, d.params, d.decode_weights, self._logits, self._caches, put(positions), put(seeds),
-        put(temperature), put(top_k), put(top_p), num_steps=self.steps_per_call)
+        put(temperature), put(top_k), put(top_p), num_steps=self.steps_per_call,
+        top_logprobs=self.top_logprobs if self.logprobs else -1)
     self.decode_calls += 1
-    return tokens
+    return out
 
-  def _collect(self, tokens: jax.Array, slots: list[_Slot | None]) -> Iterator[Update]:
+  def _collect(self, out: dict[str, jax.Array], slots: list[_Slot | None]) -> Iterator[Update]:
     """Reads a call's tokens and hands each to the request that held its slot at dispatch, if still running."""
-    tokens = np.asarray(tokens)
+    out = jax.tree.map(np.asarray, out)
+    tokens = out["tokens"]
     for i, slot in enumerate(slots):
       if slot is None or slot.finished:
         continue
@@ -246,35 +275,62 @@ class Engine:
       stops = np.flatnonzero(np.isin(mine, self.eos))
       if stops.size:
         mine = mine[: stops[0] + 1]
+      n = len(mine)
       slot.tokens.extend(mine.tolist())
-      slot.remaining -= len(mine)
+      slot.remaining -= n
+      logprobs = top = None
+      if self.logprobs:
+        logprobs = out["logprobs"][:n, i]
+        slot.logprobs.extend(logprobs.tolist())
+        if self.top_logprobs:
+          top = TopLogprobs(ids=out["top_ids"][:n, i], logprobs=out["top_logprobs"][:n, i])
       completion = None
       if stops.size or slot.remaining == 0:
         slot.finished = True
         self._slots[i] = None
         completion = Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
-                                finish_reason="stop" if stops.size else "length")
-      yield Update(request_id=slot.request_id, new_tokens=mine.astype(np.int32), completion=completion)
+                                finish_reason="stop" if stops.size else "length",
+                                logprobs=np.asarray(slot.logprobs, np.float32) if self.logprobs else None)
+      yield Update(request_id=slot.request_id, new_tokens=mine.astype(np.int32), completion=completion,
+                   logprobs=logprobs, top_logprobs=top)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "num_steps"), donate_argnames=("logits", "caches"))
+@functools.partial(jax.jit, static_argnames=("graph", "num_steps", "top_logprobs"),
+                   donate_argnames=("logits", "caches"))
 def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, positions, seeds, temperature, top_k, top_p,
-               *, num_steps: int):
+               *, num_steps: int, top_logprobs: int):
   """``num_steps`` decode steps over every slot, each slot sampling with its own parameters and a key made from
-  its seed and the position of the token drawn -> (tokens int32 [num_steps, slots], logits, caches)."""
+  its seed and the position of the token drawn -> ({"tokens": int32 [num_steps, slots]; with top_logprobs >= 0
+  also "logprobs" float32 [num_steps, slots], and with top_logprobs > 0 "top_ids" / "top_logprobs" [num_steps,
+  slots, top_logprobs]}, logits, caches). Log-probabilities are of the raw logits (fp32 log-softmax)."""
   model = graph.merge(params)
   base = jax.vmap(jax.random.key)(seeds)
+  slots = logits.shape[0]
 
   def step(i, carry):
-    tokens, logits, caches = carry
+    out, logits, caches = carry
     keys = jax.vmap(jax.random.fold_in)(base, positions + i)
     tok = sample_rows(logits, keys, temperature, top_k, top_p)
+    out = {**out, "tokens": out["tokens"].at[i].set(tok)}
+    if top_logprobs >= 0:
+      logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+      out["logprobs"] = out["logprobs"].at[i].set(jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0])
+      if top_logprobs > 0:
+        values, ids = jax.lax.top_k(logp, top_logprobs)
+        out["top_ids"] = out["top_ids"].at[i].set(ids.astype(jnp.int32))
+        out["top_logprobs"] = out["top_logprobs"].at[i].set(values)
     logits, caches = _decode(model, tok, positions + i, caches, decode_weights)
-    return tokens.at[i].set(tok), logits, caches
+    return out, logits, caches
 
-  carry = (jnp.zeros((num_steps, logits.shape[0]), jnp.int32), logits, caches)
-  tokens, logits, caches = step(0, carry) if num_steps == 1 else jax.lax.fori_loop(0, num_steps, step, carry)
-  return sharding.replicated(tokens, model.sharding_plan), logits, caches
+  out = {"tokens": jnp.zeros((num_steps, slots), jnp.int32)}
+  if top_logprobs >= 0:
+    out["logprobs"] = jnp.zeros((num_steps, slots), jnp.float32)
+  if top_logprobs > 0:
+    out["top_ids"] = jnp.zeros((num_steps, slots, top_logprobs), jnp.int32)
+    out["top_logprobs"] = jnp.zeros((num_steps, slots, top_logprobs), jnp.float32)
+  carry = (out, logits, caches)
+  out, logits, caches = step(0, carry) if num_steps == 1 else jax.lax.fori_loop(0, num_steps, step, carry)
+  return jax.tree.map(lambda x: sharding.replicated(x, model.sharding_plan), out), logits, caches
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "cache_len", "chunk"), donate_argnames=("logits", "caches"))

@@ -166,3 +166,34 @@ def test_cancel_frees_a_running_slot_and_drops_a_waiting_request(model, ids):
   # "long" stopped after its cancel at 4 tokens: with 2 steps per call and one call in flight, it held its slot
   # for at most 3 calls, so "next" finished well before the 2 x 20 calls two full requests would take.
   assert engine.decode_calls <= 3 + 20 + 1
+
+
+def test_logprobs_equal_scoring_the_completion_and_top_tokens_are_sorted(model, ids):
+  from m3jax.scoring import token_logprobs  # pylint: disable=g-import-not-at-top
+
+  prompts = [ids[0, :40].tolist(), ids[1, :25].tolist(), ids[0, 60:90].tolist()]
+  engine = Engine(model, slots=2, max_length=128, eos_token_ids=(), steps_per_call=3, logprobs=True,
+                  top_logprobs=4, temperature=1.0, seed=3)  # sampled: the chosen token is not always the top one
+  for i, p in enumerate(prompts):
+    engine.submit(p, max_new_tokens=7, request_id=i)
+  tops: dict[int, list] = {i: [] for i in range(3)}
+  done = {}
+  for update in engine.stream():
+    assert update.logprobs.shape == update.new_tokens.shape
+    tops[update.request_id].append(update.top_logprobs)
+    if update.completion is not None:
+      done[update.request_id] = update.completion
+  for i, p in enumerate(prompts):
+    c = done[i]
+    scored = token_logprobs(model, [p + c.tokens.tolist()])
+    # The engine's log-probability of each token it drew equals scoring the finished sequence in one forward.
+    np.testing.assert_allclose(c.logprobs, scored.logprobs[0, len(p):len(p) + len(c.tokens)], atol=2e-4)
+    top_ids = np.concatenate([t.ids for t in tops[i]])
+    top_lp = np.concatenate([t.logprobs for t in tops[i]])
+    assert top_ids.shape == (7, 4) and np.all(np.diff(top_lp, axis=1) <= 0)
+    assert np.all(top_lp[:, 0] >= c.logprobs - 1e-5)  # nothing beats the most likely token
+    listed = top_ids == c.tokens[:, None]  # where the drawn token is among the top 4, its value is the same
+    np.testing.assert_allclose(top_lp[listed], np.repeat(c.logprobs, 4).reshape(7, 4)[listed], atol=1e-6)
+  assert any(not np.all(done[i].tokens == np.concatenate([t.ids for t in tops[i]])[:, 0]) for i in range(3))
+  with pytest.raises(ValueError, match="needs logprobs=True"):
+    Engine(model, slots=1, max_length=64, top_logprobs=2)
