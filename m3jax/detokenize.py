@@ -13,6 +13,8 @@ cost per token stays flat as the completion grows.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
 
 _REPLACEMENT = "\ufffd"
@@ -98,3 +100,49 @@ class IncrementalText:
     end = max(end, self.released)
     delta, self.released = self.text[self.released:end], end
     return delta
+
+
+class TokenStrings:
+  """Each token's own text and bytes (what APIs that list per-token log-probabilities show), cached per id.
+
+  ``bytes(id)`` is exact for byte-level BPE vocabularies (M3's): a token holding part of a character's UTF-8
+  bytes has text U+FFFD but its true bytes. For other decoders it is the text's UTF-8, or None when the token
+  alone does not decode to whole characters.
+  """
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+    self._byte_level = "ByteLevel" in kinds
+    self._special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+  def text(self, token_id: int) -> str:
+    return self._get(int(token_id))[0]
+
+  def bytes(self, token_id: int) -> list[int] | None:
+    return self._get(int(token_id))[1]
+
+  def _get(self, token_id: int) -> tuple[str, list[int] | None]:
+    if token_id not in self._cache:
+      text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+      piece = self.tokenizer.id_to_token(token_id) or ""
+      table = _byte_level_table()
+      if token_id in self._special:
+        raw = list(piece.encode())
+      elif self._byte_level and piece and all(c in table for c in piece):
+        raw = [table[c] for c in piece]
+      else:
+        raw = None if _REPLACEMENT in text else list(text.encode())
+      self._cache[token_id] = (text, raw)
+    return self._cache[token_id]
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+  """Byte-level BPE's printable stand-ins, inverted: bytes that print as themselves (``!``..``~``, ``¡``..``¬``,
+  ``®``..``ÿ``) map from their own character; the other 68 byte values, in order, from U+0100, U+0101, ..."""
+  printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+  others = [b for b in range(256) if b not in printable]
+  return {**{chr(b): b for b in printable}, **{chr(0x100 + i): b for i, b in enumerate(others)}}

@@ -9,16 +9,20 @@ slot at once; so does a streaming client that hangs up.
 One worker thread owns the ``Engine`` (the model's only user); HTTP threads validate a request, submit it, and
 wait on their own queue for its tokens. Each request samples with its own temperature / top_k / top_p / seed (the
 server's start values by default); its tokens do not depend on the other requests (m3jax.engine). Fields that
-would change the result but are not implemented (logprobs, penalties, ...) get a 400 naming them. Streamed text
-never shows a partial character (m3jax.detokenize).
+would change the result but are not implemented (penalties, logit_bias, ...) get a 400 naming them. Streamed text
+never shows a partial character (m3jax.detokenize). Log-probabilities (completions ``logprobs: k``, chat
+``logprobs: true`` + ``top_logprobs: k``) are of the raw logits, for the tokens whose text the reply shows, up to
+the engine's ``top_logprobs`` alternatives per token (``m3jax serve --max-logprobs``).
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import http.server
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -26,12 +30,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from m3jax import tokenizer as tok_lib
-from m3jax.detokenize import IncrementalText
+from m3jax.detokenize import IncrementalText, TokenStrings
 from m3jax.engine import Engine, Update
 
 
 # Request fields that would change the result, with the values that do not (anything else gets a 400).
-_UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,),
+_UNSUPPORTED = {"echo": (False,),
                 "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                 "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
                 "response_format": (None, {"type": "text"})}
@@ -53,6 +57,22 @@ class Request:
   max_tokens: int
   sampling: dict[str, Any]
   stop: tuple[str, ...] = ()
+  logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """What one engine update adds to a reply: text (the newly final text), finish_reason (on the last piece),
+  generated (tokens counted so far), and the tokens behind the text released so far that no earlier piece
+  listed: ids, logprobs [n] and top (ids [n, k], logprobs [n, k]) when the engine computes them."""
+
+  text: str
+  finish_reason: str | None
+  generated: int
+  ids: list[int]
+  logprobs: list[float] | None = None
+  top: tuple[list[list[int]], list[list[float]]] | None = None
+  offsets: list[int] | None = None  # each listed token's first character's index in the reply's text
 
 
 class Server:
@@ -67,6 +87,7 @@ class Server:
   def __init__(self, engine: Engine, checkpoint: str, model_name: str = "minimax-m3"):
     self.engine, self.checkpoint, self.model_name = engine, checkpoint, model_name
     self.tokenizer = tok_lib.load_tokenizer(checkpoint)
+    self.token_strings = TokenStrings(self.tokenizer)
     self._ids = itertools.count()
     self._pending: dict[int, queue.Queue] = {}  # request id -> where its updates go
     self._lock = threading.Condition()
@@ -126,30 +147,97 @@ class Server:
       self._pending.pop(request_id, None)
     self.engine.cancel(request_id)
 
-  def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = ()
-             ) -> Iterator[tuple[str, str | None, int]]:
-    """A submitted request's text as it comes -> (new text, finish_reason on the last item else None, tokens
-    generated so far). The stop token is not shown; a stop string ends the text before it (finish_reason
-    "stop"; the tokens counted up to the one that completed it) and cancels the rest of the request. Raises
-    what the engine raised."""
+  def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = ()) -> Iterator[Piece]:
+    """A submitted request's reply as it comes, one Piece per update. The stop token is not shown (nor listed);
+    a stop string ends the text before it (finish_reason "stop"; tokens counted and listed up to the one that
+    completed it) and cancels the rest of the request. Raises what the engine raised."""
     text = IncrementalText(self.tokenizer, stop)
-    generated = 0
+    generated = listed = characters = 0
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_lp: list[list[float]] = []
     while True:
       update = updates.get()
       if isinstance(update, Exception):
         raise update
       new, done = update.new_tokens.tolist(), update.completion
       generated += len(new)
-      delta = text.add(new[:-1] if done is not None and done.finish_reason == "stop" else new)
-      if text.stopped:
-        if done is None:
-          self.cancel(request_id)
-        yield delta, "stop", text.stop_index
+      shown = new[:-1] if done is not None and done.finish_reason == "stop" else new
+      if update.logprobs is not None:
+        logprobs.extend(update.logprobs[:len(shown)].tolist())
+      if update.top_logprobs is not None:
+        top_ids.extend(update.top_logprobs.ids[:len(shown)].tolist())
+        top_lp.extend(update.top_logprobs.logprobs[:len(shown)].tolist())
+      delta = text.add(shown)
+      reason = "stop" if text.stopped else None if done is None else done.finish_reason
+      if reason is not None:
+        delta += text.finish()
+        if text.stopped:
+          generated = text.stop_index
+          if done is None:
+            self.cancel(request_id)
+      # List the tokens whose text is out (all of them once the reply ends).
+      upto = len(text.ids) if reason is None else (text.stop_index or len(text.ids))
+      if reason is None and text.released < len(text.text):
+        upto = listed  # some text is held back: its tokens wait for the piece that shows it
+      upto = max(upto, listed)
+      offsets = []
+      for t in text.ids[listed:upto]:  # where each token's first character starts in the reply
+        raw = self.token_strings.bytes(t)
+        if raw is None:
+          offsets.append(characters)
+          characters += len(self.token_strings.text(t))
+          continue
+        # Bytes held for an unfinished character: if this token finishes it, the token starts at that character;
+        # if not, they end as U+FFFD(s) and the token starts after them.
+        pending = utf8.getstate()[0]
+        alone, joined = pending.decode("utf-8", "replace"), (pending + bytes(raw)).decode("utf-8", "replace")
+        offsets.append(characters + len(os.path.commonprefix([alone, joined])))
+        characters += len(utf8.decode(bytes(raw)))
+      yield Piece(text=delta, finish_reason=reason, generated=generated, ids=text.ids[listed:upto],
+                  logprobs=logprobs[listed:upto] if update.logprobs is not None else None,
+                  top=(top_ids[listed:upto], top_lp[listed:upto]) if update.top_logprobs is not None else None,
+                  offsets=offsets)
+      listed = upto
+      if reason is not None:
         return
-      if done is not None:
-        yield delta + text.finish(), done.finish_reason, generated
-        return
-      yield delta, None, generated
+
+  def _parse_logprobs(self, body: dict[str, Any], chat: bool) -> int | None:
+    """completions: logprobs = k (int); chat: logprobs = true, top_logprobs = k -> k, or None for none."""
+    if chat:
+      want, k = body.get("logprobs"), body.get("top_logprobs")
+      if want not in (None, False, True):
+        raise RequestError(f"logprobs must be true or false, got {want!r}")
+      if k is not None and not want:
+        raise RequestError("top_logprobs needs logprobs: true")
+      k = (k or 0) if want else None
+    else:
+      k = body.get("logprobs")
+    if k is None:
+      return None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+      raise RequestError(f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {k!r}")
+    if not self.engine.logprobs:
+      raise RequestError("log-probabilities are off on this server (m3jax serve --max-logprobs -1)")
+    if k > self.engine.top_logprobs:
+      raise RequestError(f"at most {self.engine.top_logprobs} log-probabilities per token on this server "
+                         f"(m3jax serve --max-logprobs), got {k}")
+    return k
+
+  def logprobs_json(self, piece: Piece, k: int, chat: bool) -> dict[str, Any]:
+    """A piece's tokens in OpenAI's logprobs layout (chat: {"content": [...]}; completions: tokens /
+    token_logprobs / top_logprobs / text_offset)."""
+    names = self.token_strings
+    tops = [list(zip(ids[:k], lps[:k])) for ids, lps in zip(*piece.top)] if piece.top else [[] for _ in piece.ids]
+    if chat:
+      return {"content": [{"token": names.text(t), "logprob": lp, "bytes": names.bytes(t),
+                           "top_logprobs": [{"token": names.text(a), "logprob": b, "bytes": names.bytes(a)}
+                                            for a, b in top]}
+                          for t, lp, top in zip(piece.ids, piece.logprobs, tops)]}
+    return {"tokens": [names.text(t) for t in piece.ids], "token_logprobs": piece.logprobs,
+            "top_logprobs": [{names.text(a): b for a, b in top} for top in tops] if k else None,
+            "text_offset": piece.offsets}
 
   def parse(self, path: str, body: dict[str, Any]) -> Request:
     """A completions / chat request body -> the checked Request; RequestError names what is wrong."""
@@ -180,6 +268,7 @@ class Server:
       raise RequestError(f"stop must be a string or a list of at most {_MAX_STOP_STRINGS} strings, got "
                          f"{body.get('stop')!r}")
     stop = tuple(x for x in stop if x)  # "" stops nothing (OpenAI accepts it)
+    logprobs = self._parse_logprobs(body, chat)
     if chat:
       messages = body.get("messages")
       if not isinstance(messages, list) or not messages:
@@ -189,14 +278,16 @@ class Server:
           raise RequestError(f"each message needs a string role and string content, got {m!r}")
       text = tok_lib.render_messages(self.checkpoint, [{"role": m["role"], "content": m["content"]}
                                                        for m in messages])
-      return Request(self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens, sampling, stop)
+      return Request(self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens, sampling, stop,
+                     logprobs)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
       prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-      return Request(self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling, stop)
+      return Request(self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling, stop,
+                     logprobs)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-      return Request(prompt, max_tokens, sampling, stop)
+      return Request(prompt, max_tokens, sampling, stop, logprobs)
     raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
 
 
@@ -251,27 +342,36 @@ def make_handler(server: Server):
                "model": server.model_name}
       pieces = server.follow(request_id, updates, request.stop)
       if body.get("stream"):
-        self._stream(pieces, request_id, chat, reply)
+        self._stream(pieces, request, request_id, chat, reply)
       else:
-        self._whole(pieces, chat, reply, len(request.prompt_ids))
+        self._whole(pieces, request, chat, reply)
 
-    def _whole(self, pieces, chat: bool, reply: dict[str, Any], prompt_tokens: int) -> None:
-      text = []
+    def _whole(self, pieces, request: Request, chat: bool, reply: dict[str, Any]) -> None:
+      merged = []
       try:
-        for delta, reason, generated in pieces:
-          text.append(delta)
+        merged = list(pieces)
       except Exception as e:  # pylint: disable=broad-except
         self._error(500, f"generation failed: {e}")
         return
-      text = "".join(text)
+      text = "".join(p.text for p in merged)
+      last = merged[-1]
+      logprobs = None
+      if request.logprobs is not None:
+        whole = Piece(text=text, finish_reason=last.finish_reason, generated=last.generated,
+                      ids=[t for p in merged for t in p.ids], logprobs=[x for p in merged for x in p.logprobs],
+                      top=None if last.top is None else ([x for p in merged for x in p.top[0]],
+                                                         [x for p in merged for x in p.top[1]]),
+                      offsets=[x for p in merged for x in p.offsets])
+        logprobs = server.logprobs_json(whole, request.logprobs, chat)
       choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                else {"index": 0, "text": text, "logprobs": None})
+                else {"index": 0, "text": text})
+      prompt_tokens = len(request.prompt_ids)
       self._json(200, {**reply, "object": "chat.completion" if chat else "text_completion",
-                       "choices": [{**choice, "finish_reason": reason}],
-                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                                 "total_tokens": prompt_tokens + generated}})
+                       "choices": [{**choice, "logprobs": logprobs, "finish_reason": last.finish_reason}],
+                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": last.generated,
+                                 "total_tokens": prompt_tokens + last.generated}})
 
-    def _stream(self, pieces, request_id: int, chat: bool, reply: dict[str, Any]) -> None:
+    def _stream(self, pieces, request: Request, request_id: int, chat: bool, reply: dict[str, Any]) -> None:
       self.send_response(200)
       self.send_header("Content-Type", "text/event-stream")
       self.send_header("Cache-Control", "no-cache")
@@ -281,13 +381,15 @@ def make_handler(server: Server):
       reply = {**reply, "object": "chat.completion.chunk" if chat else "text_completion"}
       try:
         try:
-          for delta, reason, _ in pieces:
-            if not delta and reason is None:
+          for piece in pieces:
+            if not piece.text and piece.finish_reason is None:
               continue  # held back (a partial character, or a possible stop string's start)
-            message = {"role": "assistant", "content": delta} if first else {"content": delta}
+            message = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
             first = False
-            choice = {"index": 0, "delta": message} if chat else {"index": 0, "text": delta}
-            self._event({**reply, "choices": [{**choice, "finish_reason": reason}]})
+            choice = {"index": 0, "delta": message} if chat else {"index": 0, "text": piece.text}
+            if request.logprobs is not None:
+              choice["logprobs"] = server.logprobs_json(piece, request.logprobs, chat)
+            self._event({**reply, "choices": [{**choice, "finish_reason": piece.finish_reason}]})
         except (BrokenPipeError, ConnectionResetError):
           raise
         except Exception as e:  # pylint: disable=broad-except

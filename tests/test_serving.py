@@ -7,6 +7,7 @@ import threading
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
 import m3jax
@@ -21,7 +22,7 @@ from m3jax.tokenizer import load_tokenizer, render_messages
 def served(tmp_path_factory):
   ckpt = build_demo_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
   model = m3jax.load(ckpt, kernels="reference", text_only=True)
-  engine = Engine(model, slots=2, max_length=256, steps_per_call=3)
+  engine = Engine(model, slots=2, max_length=256, steps_per_call=3, logprobs=True, top_logprobs=3)
   server = Server(engine, ckpt, model_name="tiny-m3")
   httpd = serve(server, port=0)
   thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -100,8 +101,12 @@ def test_chat_whole_and_streamed(served):
     ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop must be a string or a list of at most 16 strings"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop must be a string or a list of at most 16"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     "logprobs=True is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 5}, "at most 3 log-probabilities per token"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "top_logprobs needs logprobs: true"),
+    ("/v1/completions", {"prompt": "x", "logprobs": "yes"}, "logprobs must be a non-negative integer"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
 ])
 def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, message):
   with pytest.raises(urllib.error.HTTPError) as e:
@@ -195,3 +200,39 @@ def test_a_streaming_client_that_hangs_up_frees_its_slot(served):
   _wait_until_idle(served)
   # 240 tokens at 3 per call would take 80 calls; the server noticed the hang-up at its next write.
   assert served["engine"].decode_calls - calls < 20
+
+
+def test_logprobs_list_the_shown_tokens_whole_streamed_and_in_chat(served):
+  from m3jax.scoring import token_logprobs  # pylint: disable=g-import-not-at-top
+
+  ids = served["tok"].encode("naïve 数据 🙂", add_special_tokens=False).ids
+  text, reason, gen = _greedy(served, ids, 12)
+  shown = gen[:-1] if reason == "stop" else gen
+  want = token_logprobs(served["model"], [ids + gen]).logprobs[0, len(ids):len(ids) + len(shown)]
+  body = {"prompt": ids, "max_tokens": 12, "logprobs": 2}
+  whole = _post(served["url"] + "/v1/completions", body)["choices"][0]
+  lp = whole["logprobs"]
+  assert whole["text"] == text and "".join(lp["tokens"]).replace("\ufffd", "") == text.replace("\ufffd", "")
+  assert len(lp["token_logprobs"]) == len(shown) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+  np.testing.assert_allclose(lp["token_logprobs"], want, atol=2e-2)  # decode steps vs one scoring forward
+  for chosen, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+    assert len(top) <= 2 and max(top.values()) == pytest.approx(value, abs=1e-6)  # greedy: the top token
+  raw = _post(served["url"] + "/v1/completions", {**body, "stream": True}, raw=True)
+  chunks = [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
+  streamed = [x for c in chunks for x in c["choices"][0]["logprobs"]["token_logprobs"]]
+  assert streamed == lp["token_logprobs"]
+  assert [x for c in chunks for x in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
+  # Offsets index the reply's characters: a token that starts a character starts at its offset.
+  for t, o in zip(lp["tokens"], lp["text_offset"]):
+    if t != "\ufffd":
+      assert text[o:].startswith(t), (t, o)
+  # Chat: per-token entries whose bytes spell the reply exactly (a token may hold part of a character).
+  messages = [{"role": "user", "content": "Say something in Chinese"}]
+  chat = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "logprobs": True,
+                                                        "top_logprobs": 3})["choices"][0]
+  content = chat["logprobs"]["content"]
+  assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace") == chat["message"]["content"]
+  assert all(len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
+             for e in content)
+  none = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})["choices"][0]
+  assert none["logprobs"] is None

@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--steps-per-call", type=int, default=4, help="decode steps per device call (default 4)")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
+  p.add_argument("--max-logprobs", type=int, default=5,
+                 help="most alternatives per token a request may ask log-probabilities for (default 5; -1 turns "
+                      "log-probabilities off, saving a log-softmax over the vocabulary per decode step)")
   p.add_argument("--model-name", default="minimax-m3", help="the id /v1/models reports")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   parallel_cli.add_mesh_arguments(p, distributed=False)
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
   eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
   engine = Engine(model, slots=args.slots, max_length=min(args.max_length, model.config.text.max_position_embeddings),
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
+                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
+                  logprobs=args.max_logprobs >= 0, top_logprobs=max(args.max_logprobs, 0))
   server = Server(engine, args.checkpoint, model_name=args.model_name)
   httpd = serve(server, args.host, args.port)
   host, port = httpd.server_address[:2]
