@@ -248,9 +248,12 @@ def test_batch_stop_strings_cut_the_completion_and_its_ids(demo_dir, tmp_path):
   src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
   src.write_text(json.dumps({"prompt_ids": ids, "stop": stop}) + "\n" + json.dumps({"prompt_ids": ids}) + "\n")
   assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--batch-size", "2",
-                   "--max-new-tokens", "30", "--kernels", "reference"]) == 0
+                   "--max-new-tokens", "30", "--kernels", "reference", "--logprobs"]) == 0
   cut, full = [json.loads(x) for x in dst.read_text().splitlines()]
   assert full["completion_ids"] == want_ids
+  scored = m3jax.token_logprobs(model, [ids + want_ids]).logprobs[0, len(ids):len(ids) + len(want_ids)]
+  np.testing.assert_allclose(full["completion_logprobs"], scored, atol=2e-2)  # bf16 decode steps vs one forward
+  assert cut["completion_logprobs"] == full["completion_logprobs"][:len(cut["completion_ids"])]
   assert cut["finish_reason"] == "stop" and cut["completion"] == text[:text.find(stop)]
   n = len(cut["completion_ids"])  # up to the token that completed the stop string
   assert cut["completion_ids"] == want_ids[:n] and stop in tok.decode(want_ids[:n])

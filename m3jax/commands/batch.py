@@ -5,7 +5,7 @@ Input lines are objects with "prompt" (text, tokenised with the checkpoint's tok
 the chat template) or "prompt_ids" (a list of token ids), and optionally "id" (copied to the output) and "stop" (a
 string or a list of strings: the completion ends before the first one, and its slot is freed at once). Output
 lines, in input order: {"id", "index", "prompt_tokens", "completion_ids", "completion" (text, with a tokenizer),
-"finish_reason": "stop" | "length"}; completion_ids end with the stop token, or with the token that completed a
+"finish_reason": "stop" | "length"}, and with --logprobs "completion_logprobs" (one per completion id); completion_ids end with the stop token, or with the token that completed a
 stop string (the completion text ends before the stop string).
 """
 
@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0,
                  help="sampling seed; prompt i samples with a seed derived from it and i (independent of the schedule)")
+  p.add_argument("--logprobs", action="store_true",
+                 help='also write "completion_logprobs": each completion token\'s log-probability (raw logits)')
   p.add_argument("--chat", action="store_true", help="wrap text prompts in the checkpoint's chat template")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
@@ -110,18 +112,22 @@ def run(args: argparse.Namespace) -> int:
   # Continuous batching: --batch-size slots decode together, each refilled as soon as its request stops.
   engine = Engine(model, slots=args.batch_size, max_length=max(len(p) for p in prompts) + args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
+                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
+                  logprobs=args.logprobs)
   texts = [IncrementalText(tokenizer, r["stop"]) if tokenizer is not None else None for r in requests]
   for i, ids in enumerate(prompts):
     engine.submit(ids, max_new_tokens=args.max_new_tokens, request_id=i)
   results: dict[int, dict[str, Any]] = {}
   tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+  logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
   start = time.perf_counter()
   for update in engine.stream():
     i, done = update.request_id, update.completion
     if i in results:
       continue  # a request its stop string ended: this is the engine confirming the cancel
     tokens[i].extend(update.new_tokens.tolist())
+    if update.logprobs is not None:
+      logprobs[i].extend(update.logprobs.tolist())
     reason = None if done is None else done.finish_reason
     text = texts[i]
     if text is not None:
@@ -139,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     if text is not None:
       text.finish()
       results[i]["completion"] = text.text
+    if args.logprobs:
+      results[i]["completion_logprobs"] = logprobs[i][:len(tokens[i])]
     if len(results) % max(1, len(prompts) // 10) == 0:
       print(f"[m3jax] {len(results)} / {len(prompts)} prompts", file=sys.stderr)
   generated = sum(len(t) for t in tokens.values())
