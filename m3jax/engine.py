@@ -213,10 +213,12 @@ class Engine:
         slot.finished = True  # its tokens in the call in flight are dropped by _collect
         self._slots[i] = None
         yield Update(request_id=slot.request_id, new_tokens=np.zeros((0,), np.int32),
-                     completion=Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
-                                           finish_reason="cancelled",
-                                           logprobs=np.asarray(slot.logprobs, np.float32) if self.logprobs
-                                           else None))
+                     completion=self._completion(slot, "cancelled"))
+
+  def _completion(self, slot: _Slot, finish_reason: str) -> Completion:
+    return Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
+                      finish_reason=finish_reason,
+                      logprobs=np.asarray(slot.logprobs, np.float32) if self.logprobs else None)
 
   def _admit(self) -> None:
     """Fills the free slots with waiting requests: one prefill for all of them (rows padded to a power of two,
@@ -288,9 +290,7 @@ class Engine:
       if stops.size or slot.remaining == 0:
         slot.finished = True
         self._slots[i] = None
-        completion = Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
-                                finish_reason="stop" if stops.size else "length",
-                                logprobs=np.asarray(slot.logprobs, np.float32) if self.logprobs else None)
+        completion = self._completion(slot, "stop" if stops.size else "length")
       yield Update(request_id=slot.request_id, new_tokens=mine.astype(np.int32), completion=completion,
                    logprobs=logprobs, top_logprobs=top)
 
