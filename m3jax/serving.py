@@ -178,10 +178,10 @@ class Server:
           if done is None:
             self.cancel(request_id)
       # List the tokens whose text is out (all of them once the reply ends).
-      upto = len(text.ids) if reason is None else (text.stop_index or len(text.ids))
-      if reason is None and text.released < len(text.text):
-        upto = listed  # some text is held back: its tokens wait for the piece that shows it
-      upto = max(upto, listed)
+      if reason is not None:
+        upto = text.stop_index or len(text.ids)
+      else:  # while some text is held back, its tokens wait for the piece that shows it
+        upto = listed if text.released < len(text.text) else len(text.ids)
       offsets = []
       for t in text.ids[listed:upto]:  # where each token's first character starts in the reply
         raw = self.token_strings.bytes(t)
