@@ -28,6 +28,7 @@ from bench_generate import slice_config
 from m3jax.engine import Engine
 from m3jax.generate import generate
 from m3jax.model import M3ForCausalLM
+from m3jax.scoring import score_continuations
 
 
 def workload(n: int, prompt_range: tuple[int, int], budget_range: tuple[int, int], vocab: int, seed: int
@@ -59,6 +60,13 @@ def run(engine_cls, model, requests, slots: int, steps_per_call: int, max_length
   return seconds, [done[i] for i in range(len(requests))], engine.decode_calls * steps_per_call
 
 
+def _gap(model, prompt: list[int], engine_tokens: list[int], alone_tokens: list[int], t: int) -> float:
+  """|log p(engine_tokens[t]) - log p(alone_tokens[t])| given prompt + the first t tokens both share."""
+  context = list(prompt) + list(alone_tokens[:t])
+  scores = score_continuations(model, [context, context], [[engine_tokens[t]], [alone_tokens[t]]])
+  return float(abs(scores.logprob[0] - scores.logprob[1]))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the whole flow)")
@@ -69,7 +77,7 @@ def main() -> None:
   parser.add_argument("--prompt-range", default="1025,2048",
                       help="prompt lengths, uniform in [lo, hi) (default: one prompt bucket, few compiles)")
   parser.add_argument("--budget-range", default="16,256", help="new tokens per request, uniform in [lo, hi)")
-  parser.add_argument("--check", type=int, default=4, help="requests whose engine tokens are checked vs generate")
+  parser.add_argument("--check", type=int, default=1, help="requests whose engine tokens are checked vs generate")
   parser.add_argument("--out", default=None)
   args = parser.parse_args()
   if args.smoke:
@@ -97,8 +105,19 @@ def main() -> None:
       alone = [generate(model, [p], max_new_tokens=n, eos_token_ids=()).tokens[0].tolist()
                for p, n in requests[: args.check]]
       result["check_equal"] = outputs[: args.check] == alone
+      # Where each checked request first differs from generate alone (None: equal), of how many tokens.
+      result["check_first_difference"] = [
+          next((t for t, (a, b) in enumerate(zip(o, g)) if a != b), None if len(o) == len(g) else min(len(o), len(g)))
+          for o, g in zip(outputs, alone)]
+      result["check_lengths"] = [len(g) for g in alone]
+      # At a difference: |log p(engine's token) - log p(generate's token)| given the prompt and the common prefix,
+      # scored by one full forward (a bf16 near-tie is a gap of a few hundredths; a bug is a gap of whole nats).
+      result["check_logprob_gaps"] = [None if t is None or t >= min(len(o), len(g)) else _gap(model, p, o, g, t)
+                                      for (p, _), o, g, t in zip(requests, outputs, alone,
+                                                                 result["check_first_difference"])]
   result["speedup"] = result["static"]["seconds"] / result["engine"]["seconds"]
-  print(json.dumps({k: result[k] for k in ("speedup", "check_equal")}))
+  print(json.dumps({k: result[k] for k in ("speedup", "check_equal", "check_first_difference", "check_lengths",
+                                         "check_logprob_gaps")}))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)

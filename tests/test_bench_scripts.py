@@ -412,4 +412,24 @@ def test_bench_engine_smoke(tmp_path):
   run_script("scripts/bench_engine.py", "--smoke", "--kernels", "reference", "--out", str(out))
   r = json.loads(out.read_text())
   assert r["check_equal"] is True  # the engine's greedy tokens are generate's
+  assert r["check_first_difference"] == [None] and r["check_logprob_gaps"] == [None]
   assert r["static"]["decode_steps"] >= r["engine"]["decode_steps"] > 0 and r["speedup"] > 0
+
+
+def test_bench_engine_gap_is_the_logprob_difference_at_the_first_difference():
+  """_gap scores both tokens after the shared prefix: 0 for the same token, else |log p(a) - log p(b)| as
+  token_logprobs gives them for the two sequences."""
+  from flax import nnx
+
+  from m3jax.model import M3ForCausalLM
+  from m3jax.scoring import token_logprobs
+
+  bench = _load_script("bench_engine")
+  model = M3ForCausalLM(bench.slice_config(True), dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0))
+  prompt, shared = [3, 1, 4, 1, 5], [9, 2]
+  a, b = shared + [6, 7], shared + [8]
+  assert bench._gap(model, prompt, a, shared + [6], 2) == 0.0
+  scored = token_logprobs(model, [prompt + a[:3], prompt + b]).logprobs
+  at = len(prompt) + 2
+  assert bench._gap(model, prompt, a, b, 2) == pytest.approx(abs(scored[0, at] - scored[1, at]), abs=1e-5)
+  assert bench._gap(model, prompt, a, b, 2) > 0
