@@ -17,12 +17,10 @@ the engine's ``top_logprobs`` alternatives per token (``m3jax serve --max-logpro
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import http.server
 import itertools
 import json
-import os
 import queue
 import threading
 import time
@@ -30,8 +28,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from m3jax import tokenizer as tok_lib
-from m3jax.detokenize import IncrementalText, TokenStrings
+from m3jax.detokenize import TokenStrings
 from m3jax.engine import Engine, Update
+from m3jax.reply import Piece, Reply
 
 
 # Request fields that would change the result, with the values that do not (anything else gets a 400).
@@ -58,21 +57,6 @@ class Request:
   sampling: dict[str, Any]
   stop: tuple[str, ...] = ()
   logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-  """What one engine update adds to a reply: text (the newly final text), finish_reason (on the last piece),
-  generated (tokens counted so far), and the tokens behind the text released so far that no earlier piece
-  listed: ids, logprobs [n] and top (ids [n, k], logprobs [n, k]) when the engine computes them."""
-
-  text: str
-  finish_reason: str | None
-  generated: int
-  ids: list[int]
-  logprobs: list[float] | None = None
-  top: tuple[list[list[int]], list[list[float]]] | None = None
-  offsets: list[int] | None = None  # each listed token's first character's index in the reply's text
 
 
 class Server:
@@ -148,59 +132,19 @@ class Server:
     self.engine.cancel(request_id)
 
   def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = ()) -> Iterator[Piece]:
-    """A submitted request's reply as it comes, one Piece per update. The stop token is not shown (nor listed);
-    a stop string ends the text before it (finish_reason "stop"; tokens counted and listed up to the one that
-    completed it) and cancels the rest of the request. Raises what the engine raised."""
-    text = IncrementalText(self.tokenizer, stop)
-    generated = listed = characters = 0
-    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-    logprobs: list[float] = []
-    top_ids: list[list[int]] = []
-    top_lp: list[list[float]] = []
+    """A submitted request's reply as it comes, one Piece per update (m3jax.reply): the stop token is not shown
+    (nor listed); a stop string ends the text before it (finish_reason "stop"; tokens counted and listed up to the
+    one that completed it) and cancels the rest of the request. Raises what the engine raised."""
+    reply = Reply(self.tokenizer, stop, self.token_strings)
     while True:
       update = updates.get()
       if isinstance(update, Exception):
         raise update
-      new, done = update.new_tokens.tolist(), update.completion
-      generated += len(new)
-      shown = new[:-1] if done is not None and done.finish_reason == "stop" else new
-      if update.logprobs is not None:
-        logprobs.extend(update.logprobs[:len(shown)].tolist())
-      if update.top_logprobs is not None:
-        top_ids.extend(update.top_logprobs.ids[:len(shown)].tolist())
-        top_lp.extend(update.top_logprobs.logprobs[:len(shown)].tolist())
-      delta = text.add(shown)
-      reason = "stop" if text.stopped else None if done is None else done.finish_reason
-      if reason is not None:
-        delta += text.finish()
-        if text.stopped:
-          generated = text.stop_index
-          if done is None:
-            self.cancel(request_id)
-      # List the tokens whose text is out (all of them once the reply ends).
-      if reason is not None:
-        upto = text.stop_index or len(text.ids)
-      else:  # while some text is held back, its tokens wait for the piece that shows it
-        upto = listed if text.released < len(text.text) else len(text.ids)
-      offsets = []
-      for t in text.ids[listed:upto]:  # where each token's first character starts in the reply
-        raw = self.token_strings.bytes(t)
-        if raw is None:
-          offsets.append(characters)
-          characters += len(self.token_strings.text(t))
-          continue
-        # Bytes held for an unfinished character: if this token finishes it, the token starts at that character;
-        # if not, they end as U+FFFD(s) and the token starts after them.
-        pending = utf8.getstate()[0]
-        alone, joined = pending.decode("utf-8", "replace"), (pending + bytes(raw)).decode("utf-8", "replace")
-        offsets.append(characters + len(os.path.commonprefix([alone, joined])))
-        characters += len(utf8.decode(bytes(raw)))
-      yield Piece(text=delta, finish_reason=reason, generated=generated, ids=text.ids[listed:upto],
-                  logprobs=logprobs[listed:upto] if update.logprobs is not None else None,
-                  top=(top_ids[listed:upto], top_lp[listed:upto]) if update.top_logprobs is not None else None,
-                  offsets=offsets)
-      listed = upto
-      if reason is not None:
+      piece = reply.add(update)
+      if reply.cancel:
+        self.cancel(request_id)
+      yield piece
+      if piece.finish_reason is not None:
         return
 
   def _parse_logprobs(self, body: dict[str, Any], chat: bool) -> int | None:

@@ -76,8 +76,8 @@ def read_requests(path: str) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
-  from m3jax.detokenize import IncrementalText  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
+  from m3jax.reply import Reply  # pylint: disable=g-import-not-at-top
 
   if args.batch_size < 1:
     raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
@@ -114,42 +114,30 @@ def run(args: argparse.Namespace) -> int:
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
                   logprobs=args.logprobs)
-  texts = [IncrementalText(tokenizer, r["stop"]) if tokenizer is not None else None for r in requests]
+  replies = [Reply(tokenizer, r["stop"]) for r in requests]
   for i, ids in enumerate(prompts):
     engine.submit(ids, max_new_tokens=args.max_new_tokens, request_id=i)
   results: dict[int, dict[str, Any]] = {}
-  tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-  logprobs: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
   start = time.perf_counter()
   for update in engine.stream():
-    i, done = update.request_id, update.completion
-    if i in results:
+    i = update.request_id
+    reply = replies[i]
+    if reply.finish_reason is not None:
       continue  # a request its stop string ended: this is the engine confirming the cancel
-    tokens[i].extend(update.new_tokens.tolist())
-    if update.logprobs is not None:
-      logprobs[i].extend(update.logprobs.tolist())
-    reason = None if done is None else done.finish_reason
-    text = texts[i]
-    if text is not None:
-      text.add(update.new_tokens.tolist()[:-1] if reason == "stop" else update.new_tokens.tolist())
-      if text.stopped:
-        reason = "stop"
-        if done is None:
-          engine.cancel(i)
-    if reason is None:
+    reply.add(update)
+    if reply.cancel:
+      engine.cancel(i)
+    if reply.finish_reason is None:
       continue
-    if text is not None and text.stopped:
-      tokens[i] = tokens[i][:text.stop_index]  # up to the token that completed the stop string
     results[i] = {"id": requests[i].get("id"), "index": i, "prompt_tokens": len(prompts[i]),
-                  "completion_ids": tokens[i], "finish_reason": reason}
-    if text is not None:
-      text.finish()
-      results[i]["completion"] = text.text
+                  "completion_ids": reply.tokens, "finish_reason": reply.finish_reason}
+    if reply.text is not None:
+      results[i]["completion"] = reply.text
     if args.logprobs:
-      results[i]["completion_logprobs"] = logprobs[i][:len(tokens[i])]
+      results[i]["completion_logprobs"] = reply.logprobs[:len(reply.tokens)]
     if len(results) % max(1, len(prompts) // 10) == 0:
       print(f"[m3jax] {len(results)} / {len(prompts)} prompts", file=sys.stderr)
-  generated = sum(len(t) for t in tokens.values())
+  generated = sum(len(r.tokens) for r in replies)
   seconds = time.perf_counter() - start
   with open(args.output, "w", encoding="utf-8") as f:
     for i in range(len(prompts)):
