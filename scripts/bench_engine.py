@@ -67,6 +67,15 @@ def _gap(model, prompt: list[int], engine_tokens: list[int], alone_tokens: list[
   return float(abs(scores.logprob[0] - scores.logprob[1]))
 
 
+def _margins(model, prompt: list[int], alone: list[int]) -> tuple[np.ndarray, np.ndarray]:
+  """A full forward over prompt + generate's tokens: before each of those tokens, the top-1 minus top-2
+  log-probability (fp32 [n]) and whether generate's token is the forward's top-1 (bool [n]): the scale of the
+  bf16 near-ties, and how often generate's own decode path already disagrees with a full forward."""
+  logits = model(jnp.asarray([list(prompt) + list(alone)], jnp.int32))[0, len(prompt) - 1: len(prompt) - 1 + len(alone)]
+  top2, ids = jax.lax.top_k(logits, 2)  # a difference of logits is the difference of log-probabilities
+  return np.asarray(top2[:, 0] - top2[:, 1]), np.asarray(ids[:, 0]) == np.asarray(alone)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--smoke", action="store_true", help="tiny dims (CPU check of the whole flow)")
@@ -115,9 +124,17 @@ def main() -> None:
       result["check_logprob_gaps"] = [None if t is None or t >= min(len(o), len(g)) else _gap(model, p, o, g, t)
                                       for (p, _), o, g, t in zip(requests, outputs, alone,
                                                                  result["check_first_difference"])]
+      # The scale to judge a gap by: each checked request's full-forward margins over generate's tokens.
+      margins = [_margins(model, p, g) for (p, _), g in zip(requests, alone)]
+      result["check_margin_median"] = [float(np.median(m)) for m, _ in margins]
+      result["check_margin_quartile"] = [float(np.quantile(m, 0.25)) for m, _ in margins]
+      result["check_margin_at_difference"] = [None if t is None or t >= len(m) else float(m[t])
+                                              for (m, _), t in zip(margins, result["check_first_difference"])]
+      result["check_generate_not_forward_top1"] = [int((~top1).sum()) for _, top1 in margins]
   result["speedup"] = result["static"]["seconds"] / result["engine"]["seconds"]
   print(json.dumps({k: result[k] for k in ("speedup", "check_equal", "check_first_difference", "check_lengths",
-                                         "check_logprob_gaps")}))
+                                         "check_logprob_gaps", "check_margin_median", "check_margin_quartile",
+                                         "check_margin_at_difference", "check_generate_not_forward_top1")}))
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=2)

@@ -250,6 +250,9 @@ def main() -> None:
   print(f"devices: {mesh.size} x {jax.devices()[0].device_kind}; mesh {dict(mesh.shape)}; layers {t.num_layers}"
         + (f"; one GPU's shard of a {args.one_shard}-way tensor-parallel split" if args.one_shard else ""))
   print("\n".join(mem.lines()))
+  # A plan that cannot fit fails here, naming the sizes, instead of thrashing the allocator for minutes.
+  mem.check_fits((jax.devices()[0].memory_stats() or {}).get("bytes_limit"),
+                 f"{t.num_layers} layers on {jax.devices()[0].device_kind}")
 
   abstract, flat, keys, out_shardings, init = sharded_init(cfg, plan, args.kernels, dtype)
   n_params = sum(int(np.prod(var.shape)) for _, var in flat)

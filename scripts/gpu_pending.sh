@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 
 # to compile, and the engine compiles one admission prefill per row count.
 
 # 1. Continuous batching against static batches of the same engine programs (real-dims 4-layer slice).
-step engine 230 python3 scripts/bench_engine.py --check 1 --out "$OUT/engine.json"
+step engine 200 python3 scripts/bench_engine.py --check 1 --out "$OUT/engine.json"
 
 # 2. Chunked prefill against one shot, one GPU's shard of the full model (60 layers), 32K prompt (the decode part
 #    that follows may be cut by the limit: the prefill rows are saved to full.json first).
@@ -35,7 +35,7 @@ step full_chunked 190 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/be
   --prompt 32768 --concurrency 4 --decode-steps 4 --prefill-chunks 8192 --out "$OUT/full.json"
 
 # 3. The new model-level paths compiled for the GPU (the CPU suite runs them on XLA:CPU and in interpret mode).
-step tests 150 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -p no:cacheprovider -n 8 \
+step tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -p no:cacheprovider -n 8 \
   -m "not interpret" tests/test_engine.py tests/test_conversation.py tests/test_scoring.py tests/test_generate.py \
   tests/test_speculative.py -k "engine or request or cancel or conversation or scor or logprob or continuation or chunked"
 

@@ -145,6 +145,16 @@ def test_memory_plan_full_m3():
   assert mtp32.split_experts == int(1.5 * ep32.weights["routed experts"] * 3 / 2)  # 2 MoE layers + the MTP's
 
 
+def test_memory_plan_that_cannot_fit_fails_naming_the_sizes():
+  # One GPU's eighth of full M3 (as bench_full.py --one-shard 8 builds it) is ~113 GB: fits an H200, not an H100.
+  plan = plan_memory(m3jax.m3_full(), "tensor=8", batch=4, context=33792)
+  assert 100e9 < plan.total_per_device < 141e9
+  plan.check_fits(141 * 10**9)
+  plan.check_fits(None)  # a backend that does not report its memory (CPU): nothing to check
+  with pytest.raises(MemoryError, match=r"60 layers on H100 needs 1\d\d\.\d+ GB per device .* a device has 80"):
+    plan.check_fits(80 * 10**9, "60 layers on H100")
+
+
 def test_inspect_mesh_option(capsys):
   ckpt = str(FIXTURES / "legacy_b128" / "checkpoint")
   assert cli.main(["inspect", ckpt, "--mesh", "expert=4,tensor=2", "--batch", "2", "--context", "1024"]) == 0

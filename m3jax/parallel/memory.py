@@ -55,6 +55,21 @@ class MemoryPlan:
     """Bytes per device of the weights a decode loop prepares once (``M3ForCausalLM.decode_weights``)."""
     return self.fused_projections + self.split_experts
 
+  def check_fits(self, device_bytes: int | None, what: str = "this run") -> None:
+    """Raise MemoryError, before anything is allocated, when weights + cache exceed one device's memory.
+
+    Args:
+      device_bytes: the memory one device can allocate (``device.memory_stats()["bytes_limit"]``), or None where
+        the backend does not say (CPU): nothing is checked then.
+      what: names the run in the message.
+    """
+    if device_bytes is None or self.total_per_device <= device_bytes:
+      return
+    raise MemoryError(
+        f"{what} needs {_gib(self.total_per_device).strip()} per device for weights + cache (weights "
+        f"{_gib(self.weights_per_device).strip()}, cache {_gib(self.cache_per_device).strip()}) but a device has "
+        f"{_gib(device_bytes).strip()}: use more devices (a larger mesh), a shorter context or a smaller batch")
+
   def lines(self) -> list[str]:
     n = math.prod(self.mesh.values())
     out = [f"per-device plan for mesh {format_mesh(self.mesh)} ({n} devices), batch {self.batch}, "
