@@ -31,8 +31,9 @@ step engine 200 python3 scripts/bench_engine.py --check 1 --out "$OUT/engine.jso
 
 # 2. Chunked prefill against one shot, one GPU's shard of the full model (60 layers), 32K prompt (the decode part
 #    that follows may be cut by the limit: the prefill rows are saved to full.json first).
+#    LAYERS=30 fits an H100 (80 GB; all 60 need ~113 GB: an H200).
 step full_chunked 190 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/bench_full.py --one-shard 8 \
-  --prompt 32768 --concurrency 4 --decode-steps 4 --prefill-chunks 8192 --out "$OUT/full.json"
+  --layers "${LAYERS:-60}" --prompt 32768 --concurrency 4 --decode-steps 4 --prefill-chunks 8192 --out "$OUT/full.json"
 
 # 3. The new model-level paths compiled for the GPU (the CPU suite runs them on XLA:CPU and in interpret mode).
 step tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -p no:cacheprovider -n 8 \
