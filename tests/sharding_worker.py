@@ -152,8 +152,38 @@ def param_bytes(fixture: str, *meshes: str) -> dict:
                      "total": sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state)),
                      "expert_gate_up_per_device": sorted(set(experts.values())),
                      "expert_gate_up_total": sum(int(np.prod(l.mlp.w_gate_up.shape)) * 4
-                                                 for l in model.layers if hasattr(l.mlp, "router"))}
+                                                 for l in model.layers if hasattr(l.mlp, "router")),
+                     **_fit_check(fixture, mesh_arg, model)}
   return out
+
+
+def _fit_check(fixture: str, mesh_arg: str, model) -> dict:
+  """The loader's up-front weight count per device (m3jax.checkpoint.fit) for this mesh, and whether a load is
+  refused when each device reports one byte less than that."""
+  from m3jax.checkpoint import fit, loader  # pylint: disable=g-import-not-at-top
+  from m3jax.checkpoint import sharding as ckpt_sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.checkpoint.safetensors_dir import CheckpointError  # pylint: disable=g-import-not-at-top
+
+  mesh, rules = _mesh_and_rules(mesh_arg)
+  _, flat = loader.abstract_model(model.config, model.dtype, "reference")
+  predicted = fit.weights_per_device(flat, ckpt_sharding.placement_fn(ckpt_sharding.resolve(flat, mesh=mesh,
+                                                                                           axis_rules=rules)))
+  need = max(predicted.values())
+  real_limit = fit.device_limit
+  fit.device_limit = lambda device: need - 1
+  try:
+    _load(fixture, mesh_arg)
+    refused = ""
+  except CheckpointError as e:
+    refused = str(e)
+  finally:
+    fit.device_limit = real_limit
+  fit.device_limit = lambda device: need
+  try:
+    _load(fixture, mesh_arg)  # exactly enough: loads
+  finally:
+    fit.device_limit = real_limit
+  return {"fit_predicted": sorted(set(predicted.values())), "fit_devices": len(predicted), "fit_refused": refused}
 
 
 def distributed(fixture: str, mesh_arg: str, port: str, process_id: str, num_processes: str) -> dict:

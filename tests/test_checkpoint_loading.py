@@ -113,3 +113,15 @@ def test_index_pointing_to_missing_shard(tmp_path, tiny_model):
   os.remove(tmp_path / "model-00002-of-00009.safetensors")
   with pytest.raises(CheckpointError, match="missing file 'model-00002-of-00009.safetensors'"):
     m3jax.load(tmp_path)
+
+
+def test_weights_that_cannot_fit_the_device_fail_before_reading(tmp_path, tiny_model, monkeypatch):
+  from m3jax.checkpoint import fit
+
+  write_checkpoint(tiny_model, tmp_path)
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(tiny_model)))
+  monkeypatch.setattr(fit, "device_limit", lambda device: total - 1)
+  with pytest.raises(CheckpointError, match=rf"{tmp_path}: the weights alone need .* but it has"):
+    m3jax.load(tmp_path)
+  monkeypatch.setattr(fit, "device_limit", lambda device: total)  # exactly the weights' bytes: loads
+  assert m3jax.load(tmp_path).dtype == jnp.float32

@@ -260,6 +260,9 @@ def test_per_device_parameter_bytes_match_the_plan():
     assert r["per_device"] == [r["plan"]], (mesh, r)  # every device holds what the plan says
     sizes = sharding.parse_mesh(mesh)  # experts split over expert x tensor, replicated over data
     assert r["expert_gate_up_per_device"] == [r["expert_gate_up_total"] // (sizes["expert"] * sizes["tensor"])]
+    # the loader counts the same bytes before reading, and refuses a load that cannot fit, naming the sizes
+    assert r["fit_predicted"] == r["per_device"] and r["fit_devices"] == 8, (mesh, r)
+    assert "checkpoint: the weights alone need" in r["fit_refused"] and "but it has" in r["fit_refused"], r
 
 
 def _free_port() -> int:

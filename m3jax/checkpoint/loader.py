@@ -23,6 +23,7 @@ from flax import nnx
 from m3jax.checkpoint import converted
 from m3jax.checkpoint import sharding as sharding_lib
 from m3jax.checkpoint.fastops import apply_layout
+from m3jax.checkpoint.fit import check_weights_fit
 from m3jax.checkpoint.mapping import Layout, TensorRule, detect_layout, is_skipped, mtp_rules, prefixes, text_rules
 from m3jax.checkpoint.quantized import QUANT_SUFFIXES
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
@@ -184,6 +185,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
+  check_weights_fit(path, flat, placement)
   by_path = {rule.path: rule for rule in rules}
 
   def produce(param_path: ParamPath, var: Any) -> jax.Array:
@@ -212,6 +214,7 @@ def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
+  check_weights_fit(path, flat, placement)
   model_flat = [(p, var) for p, var in flat if p[0] != "mtp"]
   values = converted.restore_params(path, model_flat, placement, ignore=("vision",) if text_only else ())
   if with_mtp:
