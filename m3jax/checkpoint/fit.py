@@ -22,7 +22,10 @@ ParamPath = tuple[Any, ...]
 
 
 def device_limit(device: jax.Device) -> int | None:
-  """Bytes the device's allocator may use, or None where the backend does not say (CPU)."""
+  """Bytes the device's allocator may use, or None where the backend does not say (CPU) or the device belongs to
+  another process (multi-process runs: each process checks its own devices)."""
+  if device.process_index != jax.process_index():
+    return None
   stats = device.memory_stats()
   return None if not stats else stats.get("bytes_limit")
 
