@@ -46,6 +46,7 @@ from m3jax.generate import _decode, _prefill
 from bench_common import timed_ms
 from decode_analysis import balance_routing, decode_weight_bytes, dispatch_probe, routed_expert_counts, stream_tpot
 from m3jax.model import M3ForCausalLM
+from m3jax.checkpoint.fit import device_limit
 from m3jax.parallel.memory import plan_memory
 
 COPY_TBPS = 4.3
@@ -251,8 +252,7 @@ def main() -> None:
         + (f"; one GPU's shard of a {args.one_shard}-way tensor-parallel split" if args.one_shard else ""))
   print("\n".join(mem.lines()))
   # A plan that cannot fit fails here, naming the sizes, instead of thrashing the allocator for minutes.
-  mem.check_fits((jax.devices()[0].memory_stats() or {}).get("bytes_limit"),
-                 f"{t.num_layers} layers on {jax.devices()[0].device_kind}")
+  mem.check_fits(device_limit(jax.devices()[0]), f"{t.num_layers} layers on {jax.devices()[0].device_kind}")
 
   abstract, flat, keys, out_shardings, init = sharded_init(cfg, plan, args.kernels, dtype)
   n_params = sum(int(np.prod(var.shape)) for _, var in flat)

@@ -169,17 +169,14 @@ def _fit_check(fixture: str, mesh_arg: str, model) -> dict:
   predicted = fit.weights_per_device(flat, ckpt_sharding.placement_fn(ckpt_sharding.resolve(flat, mesh=mesh,
                                                                                            axis_rules=rules)))
   need = max(predicted.values())
-  real_limit = fit.device_limit
-  fit.device_limit = lambda device: need - 1
+  real_limit, refused = fit.device_limit, ""
   try:
-    _load(fixture, mesh_arg)
-    refused = ""
-  except CheckpointError as e:
-    refused = str(e)
-  finally:
-    fit.device_limit = real_limit
-  fit.device_limit = lambda device: need
-  try:
+    fit.device_limit = lambda device: need - 1
+    try:
+      _load(fixture, mesh_arg)
+    except CheckpointError as e:
+      refused = str(e)
+    fit.device_limit = lambda device: need
     _load(fixture, mesh_arg)  # exactly enough: loads
   finally:
     fit.device_limit = real_limit

@@ -47,14 +47,13 @@ def weights_per_device(flat: Sequence[tuple[ParamPath, Any]], placement: Callabl
   return dict(held)
 
 
-def check_weights_fit(path: str, flat: Sequence[tuple[ParamPath, Any]], placement: Callable[[ParamPath], Any],
-                      limit_of: Callable[[jax.Device], int | None] | None = None) -> None:
+def check_weights_fit(path: str, flat: Sequence[tuple[ParamPath, Any]], placement: Callable[[ParamPath], Any]
+                      ) -> None:
   """Raises CheckpointError naming the checkpoint, the device and both sizes when a device's share of the
-  weights exceeds its memory."""
-  limit_of = device_limit if limit_of is None else limit_of
+  weights exceeds its memory (``device_limit``)."""
   held = weights_per_device(flat, placement)
   for device, need in sorted(held.items(), key=lambda kv: -kv[1]):
-    limit = limit_of(device)
+    limit = device_limit(device)
     if limit is not None and need > limit:
       raise CheckpointError(
           f"{path}: the weights alone need {format_bytes(need).strip()} on {device} ({len(held)} device(s) "

@@ -59,7 +59,7 @@ class MemoryPlan:
     """Raise MemoryError, before anything is allocated, when weights + cache exceed one device's memory.
 
     Args:
-      device_bytes: the memory one device can allocate (``device.memory_stats()["bytes_limit"]``), or None where
+      device_bytes: the memory one device can allocate (``m3jax.checkpoint.fit.device_limit``), or None where
         the backend does not say (CPU): nothing is checked then.
       what: names the run in the message.
     """
