@@ -28,6 +28,7 @@ from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, bucket_length, che
                             prefill_in_chunks)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams
+from m3jax.token_ids import resolve_stop_ids, token_list
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class Conversation:
     self.model = model
     self.max_length = max_length
     self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    self.eos = tuple(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    self.eos = resolve_stop_ids(eos_token_ids, model.config.text.eos_token_ids, model.config.text.vocab_size)
     self.steps_per_call = steps_per_call
     self.prefill_chunk = prefill_chunk
     self._decoder = Decoder.of(model)
@@ -111,7 +112,7 @@ class Conversation:
     reassociation between a prefill of the whole prompt and one of its tail against the caches. Bad arguments
     raise here, before anything runs; the prefill runs when the first tokens are asked for.
     """
-    ids = [int(t) for t in prompt_ids]
+    ids = token_list(prompt_ids, "prompt_ids")
     self._check(ids, max_new_tokens)
     if prompt_embeds is not None and (prompt_embeds.ndim != 3 or prompt_embeds.shape[:2] != (1, len(ids))):
       raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}; expected [1, {len(ids)}, hidden]")

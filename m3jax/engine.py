@@ -29,6 +29,7 @@ from m3jax.generate import (_CACHE_ALIGN, Decoder, _decode, _GraphKey, _prefill,
                             check_prefill_chunk)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, sample_rows
+from m3jax.token_ids import resolve_stop_ids, token_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ class Engine:
     self.logprobs, self.top_logprobs = logprobs, top_logprobs
     self.model, self.max_length = model, max_length
     self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    self.eos = np.asarray(list(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids) or [-1])
+    self.eos = np.asarray(list(resolve_stop_ids(eos_token_ids, model.config.text.eos_token_ids, vocab)) or [-1])
     self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
     self._decoder = Decoder.of(model)
     # Room for a bucketed prompt of up to max_length tokens, and for two calls' steps past a request's end (the
@@ -137,7 +138,7 @@ class Engine:
     """Queues a request (checked now; run by ``run``). temperature / top_k / top_p default to the engine's; a
     sampled request draws token t with a key made from its seed and t's position, so its tokens depend on its
     prompt, parameters and seed only, not on the requests it shares the slots with."""
-    ids = [int(t) for t in prompt_ids]
+    ids = token_list(prompt_ids, f"request {request_id!r}: prompt")
     vocab = self.model.config.text.vocab_size
     if not ids:
       raise ValueError(f"request {request_id!r}: the prompt needs at least one token")

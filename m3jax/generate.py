@@ -20,6 +20,7 @@ from flax import nnx
 from m3jax import sharding
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, sample
+from m3jax.token_ids import resolve_stop_ids, token_list
 
 _MIN_BUCKET = 16
 _CACHE_ALIGN = 128
@@ -46,9 +47,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int
     arr = np.asarray(prompts)
     if arr.ndim != 2:
       raise ValueError(f"prompt_ids must be [batch, seq] or a list of lists, got shape {arr.shape}")
-    prompts = [list(row) for row in arr]
-  if not prompts or any(len(p) == 0 for p in prompts):
-    raise ValueError("every prompt needs at least one token")
+    prompts = list(arr)
+  if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+    raise ValueError(f"expected a non-empty batch of token-id lists, got {prompts!r:.60}")
+  prompts = [token_list(p, f"prompt {i}") for i, p in enumerate(prompts)]
+  empty = [i for i, p in enumerate(prompts) if not p]
+  if empty:
+    raise ValueError(f"every prompt needs at least one token; prompts {empty[:8]} are empty")
   lengths = np.asarray([len(p) for p in prompts], np.int32)
   padded = np.full((len(prompts), bucket_length(int(lengths.max()))), pad_token_id, np.int32)
   for i, p in enumerate(prompts):
@@ -74,7 +79,7 @@ def pad_embeds(prompt_embeds: jax.Array | np.ndarray | None, padded: np.ndarray)
 
 def stop_ids(model: M3ForCausalLM, eos_token_ids: Sequence[int] | None) -> jax.Array:
   """int32 [n] stop tokens for a generation loop: the config's eos ids when None; () gives [-1] (never stops)."""
-  eos = model.config.text.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+  eos = resolve_stop_ids(eos_token_ids, model.config.text.eos_token_ids, model.config.text.vocab_size)
   return jnp.asarray(list(eos) or [-1], jnp.int32)
 
 
@@ -450,7 +455,7 @@ def generate_stream(
   if steps_per_call < 1:
     raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-  eos = list(set(model.config.text.eos_token_ids if eos_token_ids is None else eos_token_ids))
+  eos = list(set(resolve_stop_ids(eos_token_ids, model.config.text.eos_token_ids, model.config.text.vocab_size)))
   start = time.perf_counter()
   prefilled = prefill(model, prompt_ids, max_new_tokens=max_new_tokens, max_length=max_length,
                       prompt_embeds=prompt_embeds, prefill_chunk=prefill_chunk)

@@ -123,6 +123,10 @@ def test_bad_requests_fail_before_compute(model, ids):
     next(conv.reply([], max_new_tokens=5))
   with pytest.raises(ValueError, match="outside"):
     next(conv.reply([model.config.text.vocab_size], max_new_tokens=5))
+  with pytest.raises(ValueError, match="prompt_ids: token ids must be integers, got 3.0"):
+    conv.reply([1, 3.0], max_new_tokens=5)
+  with pytest.raises(ValueError, match="eos_token_ids outside"):
+    Conversation(model, max_length=64, eos_token_ids=[-1])
   assert conv.history == []
 
 

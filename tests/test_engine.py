@@ -69,6 +69,10 @@ def test_bad_requests_fail_at_submit(model):
     engine.submit([256], max_new_tokens=5)
   with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
     engine.submit([1], max_new_tokens=0)
+  with pytest.raises(ValueError, match=r"request 'f': prompt: token ids must be integers, got 2.5"):
+    engine.submit([1, 2.5], max_new_tokens=5, request_id="f")
+  with pytest.raises(ValueError, match=r"eos_token_ids outside \[0, 256\): \[256\]"):
+    Engine(model, slots=1, max_length=64, eos_token_ids=[256])
   with pytest.raises(ValueError, match="slots must be >= 1"):
     Engine(model, slots=0, max_length=64)
   with pytest.raises(ValueError, match="max_length must be in"):

@@ -1,0 +1,55 @@
+"""Token ids handed to the generation functions: floats, bools, out-of-vocabulary stop ids and empty batches fail
+with a message naming them (no silent int() truncation)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from m3jax.generate import pad_prompts
+from m3jax.token_ids import check_in_vocab, is_token_id, resolve_stop_ids, token_list
+
+
+def test_integer_kinds_are_token_ids_and_floats_and_bools_are_not():
+  assert all(is_token_id(v) for v in (3, np.int32(3), np.int64(3), np.asarray(3), jnp.asarray(3, jnp.int32)))
+  assert not any(is_token_id(v) for v in (3.0, 1.5, True, np.bool_(True), np.float32(2), "3", jnp.asarray(3.0)))
+
+
+def test_token_list_keeps_integers_and_names_the_first_bad_entry():
+  assert token_list([1, np.int64(2), jnp.asarray(3)], "p") == [1, 2, 3]
+  assert token_list(np.arange(4, dtype=np.int16), "p") == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match=r"prompt 2: token ids must be integers, got 1.7 \(float\) at index 1"):
+    token_list([5, 1.7], "prompt 2")
+  with pytest.raises(ValueError, match="got dtype float32"):
+    token_list(np.asarray([1.0, 2.0], np.float32), "p")
+  with pytest.raises(ValueError, match="got a str"):
+    token_list("hello", "p")
+  with pytest.raises(ValueError, match=r"got shape \(1, 2\)"):
+    token_list(np.zeros((1, 2), np.int32), "p")
+
+
+def test_pad_prompts_rejects_floats_empty_prompts_and_empty_batches():
+  padded, lengths = pad_prompts([[4, 5, 6], np.asarray([7], np.int64)])
+  assert padded.dtype == np.int32 and padded.shape == (2, 16)
+  np.testing.assert_array_equal(padded[:, :3], [[4, 5, 6], [7, 0, 0]])
+  np.testing.assert_array_equal(lengths, [3, 1])
+  with pytest.raises(ValueError, match="prompt 1: token ids must be integers, got 2.5"):
+    pad_prompts([[1], [2.5]])
+  with pytest.raises(ValueError, match="got dtype float64"):
+    pad_prompts(np.ones((2, 3)))
+  with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+    pad_prompts([[1], []])
+  with pytest.raises(ValueError, match="non-empty batch"):
+    pad_prompts([])
+
+
+def test_stop_ids_default_to_the_config_and_must_lie_in_the_vocabulary():
+  assert resolve_stop_ids(None, (2,), 10) == (2,)
+  assert resolve_stop_ids([], (2,), 10) == ()
+  assert resolve_stop_ids((9, np.int32(0)), (2,), 10) == (9, 0)
+  with pytest.raises(ValueError, match=r"eos_token_ids outside \[0, 10\): \[10, -1\]"):
+    resolve_stop_ids([3, 10, -1], (2,), 10)
+  with pytest.raises(ValueError, match=r"single id 7; write \[7\]"):
+    resolve_stop_ids(7, (2,), 10)
+  with pytest.raises(ValueError, match="eos_token_ids: token ids must be integers"):
+    resolve_stop_ids([2.0], (2,), 10)
+  check_in_vocab([0, 9], 10, "x")
