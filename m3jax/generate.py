@@ -99,8 +99,9 @@ def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   vocab = model.config.text.vocab_size
-  if padded.min() < 0 or padded.max() >= vocab:
-    raise ValueError(f"prompt ids outside [0, {vocab}): min {padded.min()}, max {padded.max()}")
+  real = padded[np.arange(padded.shape[1])[None] < lengths[:, None]]  # the prompts' own ids, not the padding
+  if real.min() < 0 or real.max() >= vocab:
+    raise ValueError(f"prompt ids outside [0, {vocab}): min {real.min()}, max {real.max()}")
   longest = int(lengths.max())
   limit = model.config.text.max_position_embeddings if max_length is None else max_length
   if longest > limit:

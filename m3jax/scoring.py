@@ -78,8 +78,9 @@ def token_logprobs(model: M3ForCausalLM, sequences: Sequence[Sequence[int]] | np
   check_prefill_chunk(prefill_chunk)
   padded, lengths = pad_prompts(sequences)
   vocab = model.config.text.vocab_size
-  if padded.min() < 0 or padded.max() >= vocab:
-    raise ValueError(f"token ids outside [0, {vocab}): min {padded.min()}, max {padded.max()}")
+  real = padded[np.arange(padded.shape[1])[None] < lengths[:, None]]  # the sequences' own ids, not the padding
+  if real.min() < 0 or real.max() >= vocab:
+    raise ValueError(f"token ids outside [0, {vocab}): min {real.min()}, max {real.max()}")
   limit = model.config.text.max_position_embeddings
   if int(lengths.max()) > limit:
     raise ValueError(f"a sequence of {int(lengths.max())} tokens exceeds max_position_embeddings ({limit})")

@@ -57,3 +57,15 @@ def resolve_stop_ids(eos_token_ids: Sequence[int] | None, default: Sequence[int]
   ids = token_list(eos_token_ids, "eos_token_ids")
   check_in_vocab(ids, vocab_size, "eos_token_ids")
   return tuple(ids)
+
+
+def parse_token_ids(text: str, option: str = "--prompt-ids") -> list[int]:
+  """'1, 2,3' -> [1, 2, 3] (a command-line list); raises ValueError naming ``option`` and the bad entry on an
+  empty entry ('1,,2') or one that is not a decimal integer."""
+  ids = []
+  for j, part in enumerate(text.split(",")):
+    part = part.strip()
+    if not part.lstrip("-").isdigit():
+      raise ValueError(f"{option}: entry {j} is {part!r}; expected comma-separated integer token ids, got {text!r:.80}")
+    ids.append(int(part))
+  return ids

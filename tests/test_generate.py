@@ -188,6 +188,8 @@ def test_too_long_requests_fail_before_compute(models):
     generate(model, [[1, 2], []], max_new_tokens=4)
   with pytest.raises(ValueError, match="top_p"):
     generate(model, [[1, 2]], max_new_tokens=4, temperature=1.0, top_p=1.5)
+  with pytest.raises(ValueError, match=r"outside \[0, \d+\): min -2, max -2"):  # the padding is not reported
+    generate(model, [[-2]], max_new_tokens=4)
   with pytest.raises(ValueError, match="prompt 0: token ids must be integers, got 1.5"):
     generate(model, [[1.5, 2]], max_new_tokens=4)
   vocab = model.config.text.vocab_size

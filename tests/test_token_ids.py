@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from m3jax.generate import pad_prompts
-from m3jax.token_ids import check_in_vocab, is_token_id, resolve_stop_ids, token_list
+from m3jax.token_ids import check_in_vocab, is_token_id, parse_token_ids, resolve_stop_ids, token_list
 
 
 def test_integer_kinds_are_token_ids_and_floats_and_bools_are_not():
@@ -53,3 +53,14 @@ def test_stop_ids_default_to_the_config_and_must_lie_in_the_vocabulary():
   with pytest.raises(ValueError, match="eos_token_ids: token ids must be integers"):
     resolve_stop_ids([2.0], (2,), 10)
   check_in_vocab([0, 9], 10, "x")
+
+
+def test_command_line_id_lists_name_the_bad_entry():
+  assert parse_token_ids(" 3, 4 ,5") == [3, 4, 5]
+  assert parse_token_ids("-2") == [-2]  # parsed; the range check (against the vocabulary) comes later
+  with pytest.raises(ValueError, match=r"--prompt-ids: entry 1 is ''"):
+    parse_token_ids("1,,2")
+  with pytest.raises(ValueError, match=r"--ids: entry 1 is 'a'"):
+    parse_token_ids("1,a", "--ids")
+  with pytest.raises(ValueError, match=r"entry 0 is '1.5'"):
+    parse_token_ids("1.5")

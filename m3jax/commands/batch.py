@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from m3jax.parallel import cli as parallel_cli
+from m3jax.token_ids import is_token_id
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,7 +61,7 @@ def read_requests(path: str) -> list[dict[str, Any]]:
       if "prompt" in req and (not isinstance(req["prompt"], str) or not req["prompt"]):
         raise ValueError(f'{path}:{number}: "prompt" must be a non-empty string')
       ids = req.get("prompt_ids")
-      if ids is not None and (not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids)):
+      if ids is not None and (not isinstance(ids, list) or not ids or not all(is_token_id(t) for t in ids)):
         raise ValueError(f'{path}:{number}: "prompt_ids" must be a non-empty list of ints')
       stop = req.get("stop", [])
       stop = [stop] if isinstance(stop, str) else stop

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from m3jax.token_ids import parse_token_ids
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("forward", help="run one forward pass and print a logits summary")
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
   if args.prompt_ids and args.prompt_file:
     raise ValueError("pass --prompt-ids or --prompt-file, not both")
   if args.prompt_ids:
-    ids = np.asarray([[int(t) for t in args.prompt_ids.split(",")]], np.int32)
+    ids = np.asarray([parse_token_ids(args.prompt_ids)], np.int32)
   elif args.prompt_file:
     if not args.checkpoint:
       raise ValueError("--prompt-file needs a checkpoint directory (its tokenizer.json)")

@@ -8,6 +8,7 @@ import time
 
 from m3jax.detokenize import IncrementalText
 from m3jax.parallel import cli as parallel_cli
+from m3jax.token_ids import parse_token_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
   else:
     if args.chat or args.image:
       raise ValueError("--chat and --image need --prompt TEXT")
-    ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    ids = parse_token_ids(args.prompt_ids)
     try:
       tokenizer = tok_lib.load_tokenizer(args.checkpoint)
     except FileNotFoundError:

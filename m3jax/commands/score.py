@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from m3jax.parallel import cli as parallel_cli
+from m3jax.token_ids import parse_token_ids
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if not ids:
       raise ValueError(f"{args.text_file}: no tokens")
   else:
-    ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    ids = parse_token_ids(args.prompt_ids)
   model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
   bos = model.config.text.bos_token_id
   if args.text_file is not None and not args.no_bos and bos is not None and ids[0] != bos:
