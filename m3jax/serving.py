@@ -31,6 +31,7 @@ from m3jax import tokenizer as tok_lib
 from m3jax.detokenize import TokenStrings
 from m3jax.engine import Engine, Update
 from m3jax.reply import Piece, Reply
+from m3jax.token_ids import is_token_id
 
 
 # Request fields that would change the result, with the values that do not (anything else gets a 400).
@@ -198,7 +199,7 @@ class Server:
       sampling["top_k"] = 0
     chat = path == "/v1/chat/completions"
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 256 if chat else 16))  # OpenAI's defaults
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
       raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     if body.get("n", 1) != 1:
       raise RequestError("n > 1 is not supported")
@@ -230,7 +231,7 @@ class Server:
     if isinstance(prompt, str) and prompt:
       return Request(self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling, stop,
                      logprobs)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
       return Request(prompt, max_tokens, sampling, stop, logprobs)
     raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
 

@@ -97,6 +97,8 @@ def test_chat_whole_and_streamed(served):
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be a positive integer"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 300}, "exceeds the engine's max_length (256)"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt ids outside"),
+    ("/v1/completions", {"prompt": [1, True]}, '"prompt" must be a non-empty string or list of token ids'),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": True}, "max_tokens must be a positive integer"),
     ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1 is not supported"),
     ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop must be a string or a list of at most 16 strings"),
