@@ -98,6 +98,29 @@ plt.legend()
 plt.show()
 
 # %% [markdown]
+# ## Selection locality: what the GPU kernel pays for a selection
+# The Hopper prefill kernel gives a tile of Q adjacent queries (x the 16 heads of a KV group) one walk over the
+# *union* of their selected blocks, and each union block costs the matrix work of all Q queries. So its useful
+# share of the work is `selected / (Q x union)`: 1 when adjacent queries pick the same blocks, 1 / Q when they
+# share none. `selection_locality` reports it per tile size; on a real checkpoint
+# `m3jax forward CKPT --prompt-file long.txt --selection-stats` prints the same per layer. With M3's top-16 the
+# kernel reaches 60 % of cuDNN's dense rate when the mean 4-query union is at most ~21 blocks at 32K tokens
+# (BENCHMARKS.md, "Sparse prefill against selection locality"). Random weights give uncorrelated index queries,
+# so expect poor locality here; what a trained indexer gives is the open question.
+
+# %%
+from m3jax.research import selection_locality  # noqa: E402
+
+positions = np.arange(seq)[None]
+for layer in sparse_layers:
+  stats = selection_locality(out.intermediates[layer]["block_ids"], positions)
+  for q, st in stats.items():
+    print(f"layer {layer}, {q}-query tiles: {st['mean_selected']:.2f} blocks selected per query, "
+          f"union {st['mean_union']:.2f} per tile, useful share of the work {st['row_efficiency']:.2f}")
+    assert 1 / q - 1e-6 <= st["row_efficiency"] <= 1 + 1e-6
+    assert st["mean_selected"] <= st["mean_union"] <= q * st["mean_selected"] + 1e-6
+
+# %% [markdown]
 # ## Effect of `top_k` and of the local blocks
 # The same weights with other selection settings: more blocks keep more of the dense mass; forcing two local
 # blocks spends one top-k slot on the previous block.
