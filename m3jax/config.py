@@ -24,6 +24,22 @@ class ConfigError(ValueError):
   """A config.json value that m3jax cannot run faithfully."""
 
 
+# Fields that must be > 0, with the config.json key that sets each.
+_TEXT_POSITIVE = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size", "dense_intermediate_size": "dense_intermediate_size",
+    "shared_intermediate_size": "shared_intermediate_size", "num_experts": "num_local_experts",
+    "rms_norm_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_position_embeddings": "max_position_embeddings",
+}
+_VISION_POSITIVE = {
+    "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads", "num_channels": "num_channels", "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size", "spatial_merge_size": "spatial_merge_size",
+    "layer_norm_eps": "layer_norm_eps", "rope_theta": "rope_theta", "segment_max_frames": "vision_segment_max_frames",
+}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TextConfig:
   """Text backbone hyper-parameters (M3_SPEC §1.1). Per-layer layouts are tuples of length num_layers."""
@@ -60,6 +76,9 @@ class TextConfig:
   num_mtp_modules: int = 0
 
   def __post_init__(self):
+    for field, key in _TEXT_POSITIVE.items():
+      _check(getattr(self, field) > 0, key, f"must be positive, got {getattr(self, field)}")
+    _check(self.num_mtp_modules >= 0, "num_mtp_modules", f"must be >= 0, got {self.num_mtp_modules}")
     _check(self.num_heads % self.num_kv_heads == 0, "num_attention_heads",
            f"{self.num_heads} query heads are not a multiple of {self.num_kv_heads} KV heads")
     _check(len(self.attention_types) == self.num_layers, "layer_types",
@@ -119,6 +138,8 @@ class VisionConfig:
   patch_merge_bias: bool = True
 
   def __post_init__(self):
+    for field, key in _VISION_POSITIVE.items():
+      _check(getattr(self, field) > 0, f"vision_config.{key}", f"must be positive, got {getattr(self, field)}")
     _check(self.hidden_size % self.num_heads == 0, "vision_config.num_attention_heads",
            f"hidden {self.hidden_size} not divisible by {self.num_heads} heads")
 
@@ -149,9 +170,10 @@ class M3Config:
     return cls(
         text=text,
         vision=vision,
-        image_token_id=int(raw.get("image_token_index", raw.get("image_token_id", 200025))),
-        video_token_id=int(raw.get("video_token_index", raw.get("video_token_id", 200026))),
-        projector_hidden_size=raw.get("projector_hidden_size"),
+        image_token_id=_int(raw.get("image_token_index", raw.get("image_token_id", 200025)), "image_token_index"),
+        video_token_id=_int(raw.get("video_token_index", raw.get("video_token_id", 200026)), "video_token_index"),
+        projector_hidden_size=(None if raw.get("projector_hidden_size") is None
+                               else _int(raw["projector_hidden_size"], "projector_hidden_size")),
     )
 
   @classmethod
@@ -221,6 +243,21 @@ def _check(ok: bool, key: str, message: str) -> None:
     raise ConfigError(f"config key '{key}': {message}")
 
 
+def _int(value: Any, key: str) -> int:
+  """A config integer: an int, or a float with an integral value (some writers emit 128.0); anything else (a
+  string, a bool, 64.5) raises ConfigError naming the key rather than being coerced or truncated."""
+  if isinstance(value, float) and value.is_integer():
+    return int(value)
+  _check(isinstance(value, int) and not isinstance(value, bool), key, f"must be an integer, got {value!r}")
+  return value
+
+
+def _float(value: Any, key: str) -> float:
+  """A config number (int or float, not a string or a bool) as a float; raises ConfigError naming the key."""
+  _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
+  return float(value)
+
+
 def _layer_list(raw: Mapping[str, Any], flat_key: str, legacy_values, mapping: dict, n_layers: int,
                 legacy_key: str, default: str) -> tuple[str, ...]:
   """Per-layer type list from the HF flat key (strings) or a legacy 0/1 frequency list."""
@@ -245,7 +282,7 @@ def _layer_list(raw: Mapping[str, Any], flat_key: str, legacy_values, mapping: d
 def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
   sparse_cfg = raw.get("sparse_attention_config") or {}
   is_hf_flat = any(k in raw for k in ("layer_types", "mlp_layer_types", "index_n_heads", "rope_parameters"))
-  n_layers = int(raw.get("num_hidden_layers", 60))
+  n_layers = _int(raw.get("num_hidden_layers", 60), "num_hidden_layers")
 
   def get(flat: str, legacy: str | None = None, default: Any = None) -> Any:
     if flat in raw and raw[flat] is not None:
@@ -257,7 +294,8 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
   act = raw.get("hidden_act", "swigluoai")
   _check(act == "swigluoai" or (act == "silu" and is_hf_flat), "hidden_act",
          f"{act!r} is not supported; M3 uses SwiGLU-OAI ('swigluoai'; HF's flat configs rewrite it to 'silu')")
-  _check(float(raw.get("swiglu_beta", 1.0)) == 1.0, "swiglu_beta", "only 1.0 (the released value) is supported")
+  _check(_float(raw.get("swiglu_beta", 1.0), "swiglu_beta") == 1.0, "swiglu_beta",
+         "only 1.0 (the released value) is supported")
   _check(raw.get("scoring_func", "sigmoid") == "sigmoid", "scoring_func",
          f"{raw.get('scoring_func')!r} is not supported; M3 routes with 'sigmoid'")
   _check(bool(raw.get("use_routing_bias", True)), "use_routing_bias", "false is not supported (M3 uses the bias)")
@@ -275,15 +313,17 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   _check(rope_type == "default" and not rope_scaling, "rope_parameters",
          f"rope type {rope_type!r} / rope_scaling {rope_scaling!r} is not supported (only default RoPE)")
-  theta = float(rope.get("rope_theta", raw.get("rope_theta", 5_000_000.0)))
-  head_dim = int(raw.get("head_dim") or int(raw.get("hidden_size", 6144)) // int(raw.get("num_attention_heads", 64)))
+  theta = _float(rope.get("rope_theta", raw.get("rope_theta", 5_000_000.0)), "rope_theta")
+  head_dim = _int(raw.get("head_dim") or (_int(raw.get("hidden_size", 6144), "hidden_size")
+                                          // _int(raw.get("num_attention_heads", 64), "num_attention_heads")),
+                  "head_dim")
   factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
   rotary_dim = raw.get("rotary_dim")
   if factor is None:
-    factor = (int(rotary_dim) / head_dim) if rotary_dim is not None else 1.0
-  factor = float(factor)
+    factor = (_int(rotary_dim, "rotary_dim") / head_dim) if rotary_dim is not None else 1.0
+  factor = _float(factor, "partial_rotary_factor")
   if rotary_dim is not None:
-    _check(int(rotary_dim) == int(head_dim * factor), "rotary_dim",
+    _check(_int(rotary_dim, "rotary_dim") == int(head_dim * factor), "rotary_dim",
            f"{rotary_dim} disagrees with head_dim {head_dim} x partial_rotary_factor {factor} "
            f"= {int(head_dim * factor)} (both engines rotate by partial_rotary_factor)")
 
@@ -303,45 +343,47 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
       _check(kind != "sparse" or bool(off), "sparse_attention_config.sparse_disable_index_value",
              f"layer {i} enables the index-value branch, which M3 checkpoints do not have")
 
-  intermediate = int(raw.get("intermediate_size", 3072))
-  n_shared = int(raw.get("n_shared_experts", 1))
+  intermediate = _int(raw.get("intermediate_size", 3072), "intermediate_size")
+  n_shared = _int(raw.get("n_shared_experts", 1), "n_shared_experts")
   _check(n_shared >= 1, "n_shared_experts", "M3 has a shared expert; 0 is not supported")
-  shared = int(raw.get("shared_intermediate_size") or intermediate * n_shared)
+  shared = _int(raw.get("shared_intermediate_size") or intermediate * n_shared, "shared_intermediate_size")
   eos = raw.get("eos_token_id", top.get("eos_token_id"))
-  eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])))
+  eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+  eos_ids = tuple(_int(e, "eos_token_id") for e in eos_list)
   bos = raw.get("bos_token_id", top.get("bos_token_id"))
 
   return TextConfig(
-      vocab_size=int(raw.get("vocab_size", 200064)),
-      hidden_size=int(raw.get("hidden_size", 6144)),
+      vocab_size=_int(raw.get("vocab_size", 200064), "vocab_size"),
+      hidden_size=_int(raw.get("hidden_size", 6144), "hidden_size"),
       num_layers=n_layers,
-      num_heads=int(raw.get("num_attention_heads", 64)),
-      num_kv_heads=int(raw.get("num_key_value_heads", 4)),
+      num_heads=_int(raw.get("num_attention_heads", 64), "num_attention_heads"),
+      num_kv_heads=_int(raw.get("num_key_value_heads", 4), "num_key_value_heads"),
       head_dim=head_dim,
       intermediate_size=intermediate,
-      dense_intermediate_size=int(raw.get("dense_intermediate_size", 12288)),
+      dense_intermediate_size=_int(raw.get("dense_intermediate_size", 12288), "dense_intermediate_size"),
       shared_intermediate_size=shared,
-      num_experts=int(raw.get("num_local_experts", raw.get("num_experts", 128))),
-      num_experts_per_tok=int(raw.get("num_experts_per_tok", 4)),
-      routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.0)),
-      swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
-      swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
-      rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+      num_experts=_int(raw.get("num_local_experts", raw.get("num_experts", 128)), "num_local_experts"),
+      num_experts_per_tok=_int(raw.get("num_experts_per_tok", 4), "num_experts_per_tok"),
+      routed_scaling_factor=_float(raw.get("routed_scaling_factor", 2.0), "routed_scaling_factor"),
+      swiglu_alpha=_float(raw.get("swiglu_alpha", 1.702), "swiglu_alpha"),
+      swiglu_limit=_float(raw.get("swiglu_limit", 7.0), "swiglu_limit"),
+      rms_norm_eps=_float(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
       rope_theta=theta,
       partial_rotary_factor=factor,
-      max_position_embeddings=int(raw.get("max_position_embeddings", 524288)),
+      max_position_embeddings=_int(raw.get("max_position_embeddings", 524288), "max_position_embeddings"),
       tie_word_embeddings=bool(raw.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
       attention_types=attention_types,
       mlp_types=mlp_types,
-      index_num_heads=int(get("index_n_heads", "sparse_num_index_heads", raw.get("num_key_value_heads", 4))),
-      index_head_dim=int(get("index_head_dim", "sparse_index_dim", 128)),
-      index_block_size=int(get("index_block_size", "sparse_block_size", 128)),
-      index_topk_blocks=int(get("index_topk_blocks", "sparse_topk_blocks", 16)),
-      index_local_blocks=int(get("index_local_blocks", "sparse_local_block", 1)),
-      index_init_blocks=int(get("index_init_blocks", "sparse_init_block", 0)),
-      bos_token_id=None if bos is None else int(bos),
+      index_num_heads=_int(get("index_n_heads", "sparse_num_index_heads", raw.get("num_key_value_heads", 4)),
+                           "index_n_heads"),
+      index_head_dim=_int(get("index_head_dim", "sparse_index_dim", 128), "index_head_dim"),
+      index_block_size=_int(get("index_block_size", "sparse_block_size", 128), "index_block_size"),
+      index_topk_blocks=_int(get("index_topk_blocks", "sparse_topk_blocks", 16), "index_topk_blocks"),
+      index_local_blocks=_int(get("index_local_blocks", "sparse_local_block", 1), "index_local_blocks"),
+      index_init_blocks=_int(get("index_init_blocks", "sparse_init_block", 0), "index_init_blocks"),
+      bos_token_id=None if bos is None else _int(bos, "bos_token_id"),
       eos_token_ids=eos_ids,
-      num_mtp_modules=int(raw.get("num_mtp_modules", 0)),
+      num_mtp_modules=_int(raw.get("num_mtp_modules", 0), "num_mtp_modules"),
   )
 
 
@@ -353,17 +395,19 @@ def _parse_vision(raw: Mapping[str, Any]) -> VisionConfig:
   proj_act = raw.get("projector_hidden_act", "gelu")
   _check(proj_act == "gelu", "vision_config.projector_hidden_act", f"{proj_act!r} is not supported")
   return VisionConfig(
-      hidden_size=int(raw.get("hidden_size", 1280)),
-      intermediate_size=int(raw.get("intermediate_size", 5120)),
-      num_layers=int(raw.get("num_hidden_layers", 32)),
-      num_heads=int(raw.get("num_attention_heads", 16)),
-      num_channels=int(raw.get("num_channels", 3)),
-      patch_size=int(raw.get("patch_size", 14)),
-      temporal_patch_size=int(compression.get("temporal_patch_size", raw.get("temporal_patch_size", 2))),
-      spatial_merge_size=int(compression.get("spatial_merge_size", raw.get("spatial_merge_size", 2))),
-      layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
-      rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-      segment_max_frames=int(raw.get("vision_segment_max_frames", 4)),
+      hidden_size=_int(raw.get("hidden_size", 1280), "vision_config.hidden_size"),
+      intermediate_size=_int(raw.get("intermediate_size", 5120), "vision_config.intermediate_size"),
+      num_layers=_int(raw.get("num_hidden_layers", 32), "vision_config.num_hidden_layers"),
+      num_heads=_int(raw.get("num_attention_heads", 16), "vision_config.num_attention_heads"),
+      num_channels=_int(raw.get("num_channels", 3), "vision_config.num_channels"),
+      patch_size=_int(raw.get("patch_size", 14), "vision_config.patch_size"),
+      temporal_patch_size=_int(compression.get("temporal_patch_size", raw.get("temporal_patch_size", 2)),
+                               "vision_config.temporal_patch_size"),
+      spatial_merge_size=_int(compression.get("spatial_merge_size", raw.get("spatial_merge_size", 2)),
+                              "vision_config.spatial_merge_size"),
+      layer_norm_eps=_float(raw.get("layer_norm_eps", 1e-5), "vision_config.layer_norm_eps"),
+      rope_theta=_float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)), "vision_config.rope_theta"),
+      segment_max_frames=_int(raw.get("vision_segment_max_frames", 4), "vision_config.vision_segment_max_frames"),
       projector_bias=bool(raw.get("multimodal_projector_bias", True)),
       patch_merge_bias=bool(raw.get("patch_merge_bias", True)),
   )

@@ -113,6 +113,34 @@ def test_bad_sparse_attention_config(sparse_updates, key):
     M3Config.from_dict(cfg)
 
 
+@pytest.mark.parametrize("updates, message", [
+    ({"hidden_size": 64.5}, "config key 'hidden_size': must be an integer, got 64.5"),
+    ({"hidden_size": "64"}, "config key 'hidden_size': must be an integer, got '64'"),
+    ({"num_local_experts": True}, "config key 'num_local_experts': must be an integer, got True"),
+    ({"rms_norm_eps": "1e-6"}, "config key 'rms_norm_eps': must be a number, got '1e-6'"),
+    ({"num_key_value_heads": 0}, "config key 'num_key_value_heads': must be positive, got 0"),
+    ({"vocab_size": -5}, "config key 'vocab_size': must be positive, got -5"),
+    ({"eos_token_id": [2, 2.5]}, "config key 'eos_token_id': must be an integer, got 2.5"),
+    ({"rotary_dim": "16"}, "config key 'rotary_dim': must be an integer"),
+])
+def test_values_of_the_wrong_type_or_sign_raise_instead_of_being_coerced(updates, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    M3Config.from_dict(_with(LEGACY, **updates))
+
+
+def test_integral_floats_are_integers_and_bad_vision_values_name_the_vision_key():
+  cfg = M3Config.from_dict(_with(LEGACY, hidden_size=64.0, max_position_embeddings=1.6e4))
+  assert cfg.text.hidden_size == 64 and isinstance(cfg.text.hidden_size, int)
+  assert cfg.text.max_position_embeddings == 16000
+  bad = json.loads(json.dumps(LEGACY))
+  bad["vision_config"]["patch_size"] = 14.5
+  with pytest.raises(ConfigError, match="'vision_config.patch_size': must be an integer, got 14.5"):
+    M3Config.from_dict(bad)
+  bad["vision_config"]["patch_size"] = 0
+  with pytest.raises(ConfigError, match="'vision_config.patch_size': must be positive, got 0"):
+    M3Config.from_dict(bad)
+
+
 def test_silu_is_only_accepted_from_hf_flat_configs():
   with pytest.raises(ConfigError, match="hidden_act"):
     M3Config.from_dict(_with(LEGACY, hidden_act="silu"))
