@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+
+from m3jax.token_ids import is_token_id
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -17,10 +21,11 @@ class SamplingParams:
   top_p: float | None = None
 
   def __post_init__(self):
-    if self.temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if self.top_k is not None and self.top_k < 0:
-      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) or not (
+        0 <= self.temperature < math.inf):
+      raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+    if self.top_k is not None and (not is_token_id(self.top_k) or self.top_k < 0):
+      raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
     if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -91,7 +91,7 @@ def test_chat_whole_and_streamed(served):
 
 
 @pytest.mark.parametrize("path, body, message", [
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature must be a finite number >= 0"),
     ("/v1/completions", {"prompt": "x", "top_p": "high"}, "top_p must be a number"),
     ("/v1/completions", {"prompt": ""}, '"prompt" must be a non-empty string or list of token ids'),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be a positive integer"),

@@ -1,5 +1,5 @@
-"""Token ids handed to the generation functions: floats, bools, out-of-vocabulary stop ids and empty batches fail
-with a message naming them (no silent int() truncation)."""
+"""Token ids and sampling parameters handed to the generation functions: floats, bools, out-of-vocabulary stop
+ids, empty batches and non-finite temperatures fail with a message naming them (no silent int() truncation)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +64,16 @@ def test_command_line_id_lists_name_the_bad_entry():
     parse_token_ids("1,a", "--ids")
   with pytest.raises(ValueError, match=r"entry 0 is '1.5'"):
     parse_token_ids("1.5")
+
+
+def test_sampling_parameters_must_be_finite_numbers_and_top_k_an_integer():
+  from m3jax.sampling import SamplingParams
+  SamplingParams(temperature=np.float32(0.7), top_k=np.int64(5), top_p=0.9)
+  for bad in (float("nan"), float("inf"), -0.1, "0.7", True):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+      SamplingParams(temperature=bad)
+  for bad in (2.5, -1, "5"):
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+      SamplingParams(temperature=1.0, top_k=bad)
+  with pytest.raises(ValueError, match="top_p must be in"):
+    SamplingParams(temperature=1.0, top_p=float("nan"))
