@@ -346,9 +346,12 @@ class Decoder:
     tokens, positions = np.asarray(tokens, np.int32), np.asarray(positions, np.int32)
     if tokens.shape != positions.shape or tokens.ndim != 1:
       raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must both be [batch]")
-    max_len = caches[0].max_length
-    if positions.max() >= max_len:
-      raise ValueError(f"position {int(positions.max())} is beyond the cache ({max_len} tokens)")
+    max_len, batch = caches[0].max_length, caches[0].k.shape[0]
+    if tokens.shape[0] != batch:
+      raise ValueError(f"{tokens.shape[0]} tokens for caches of {batch} sequences")
+    if positions.min() < 0 or positions.max() >= max_len:
+      raise ValueError(f"positions span [{int(positions.min())}, {int(positions.max())}]: outside the cache "
+                       f"([0, {max_len}) tokens)")
     return _decode_step_jit(self.graph, self.params, self.decode_weights, self.put(tokens), self.put(positions),
                             caches)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,21 @@ class ForwardOutput:
   intermediates: tuple[dict[str, jax.Array], ...] | None = None
 
 
+SUPPORTED_DTYPES = ("bfloat16", "float32")
+
+
+def model_dtype(dtype: Any) -> jnp.dtype:
+  """The parameter / activation dtype a model can run in: bfloat16 (the default) or float32 (exact parity);
+  anything else (float16, an integer type, an unknown name) raises ValueError naming the supported ones."""
+  try:
+    resolved = jnp.dtype(dtype)
+  except TypeError:
+    raise ValueError(f"dtype {dtype!r} is not a dtype; expected one of {SUPPORTED_DTYPES}") from None
+  if resolved.name not in SUPPORTED_DTYPES:
+    raise ValueError(f"dtype {resolved.name} is not supported; expected one of {SUPPORTED_DTYPES}")
+  return resolved
+
+
 class M3ForCausalLM(nnx.Module):
   """MiniMax M3 text model. ``model(input_ids)`` returns fp32 logits [B, S, V].
 
@@ -55,7 +71,7 @@ class M3ForCausalLM(nnx.Module):
                rngs: nnx.Rngs | None = None, with_vision: bool = False, with_mtp: bool = False):
     cfg = config.text
     self.config = config
-    self.dtype = jnp.dtype(dtype)
+    self.dtype = dtype = model_dtype(dtype)
     self.kernels: KernelChoice = resolve_kernels(kernels)
     self.embed = make_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, (ax.VOCAB, ax.EMBED), std=1.0)
     self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, kernels=self.kernels, rngs=rngs)
@@ -81,6 +97,8 @@ class M3ForCausalLM(nnx.Module):
 
     Prefer a multiple of 128 (the key block): the attention kernels pad other lengths, a copy per call.
     """
+    if batch < 1 or max_length < 1:
+      raise ValueError(f"init_caches needs batch >= 1 and max_length >= 1, got batch={batch}, max_length={max_length}")
     return tuple(self._layer_cache(batch, max_length, kind == "sparse", dtype)
                  for kind in self.config.text.attention_types)
 
@@ -207,8 +225,8 @@ class M3ForCausalLM(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     if positions.shape != (b, s):
       raise ValueError(f"positions has shape {positions.shape}, expected {(b, s)} like input_ids")
-    if caches is not None and len(caches) != cfg.num_layers:
-      raise ValueError(f"got {len(caches)} layer caches for {cfg.num_layers} layers")
+    if caches is not None:
+      _check_caches(caches, cfg.num_layers, positions)
     if decode_weights is not None and len(decode_weights) != cfg.num_layers:
       raise ValueError(f"got decode_weights for {len(decode_weights)} layers, the model has {cfg.num_layers}")
     h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds.astype(self.dtype)
@@ -257,6 +275,23 @@ def _jit_logits(model: M3ForCausalLM, input_ids: jax.Array) -> jax.Array:
 def _at_index(x: jax.Array, index: jax.Array) -> jax.Array:
   """x [B, S, ...], index int [B] -> [B, 1, ...]: each row's entry at its own index (``logits_at``)."""
   return jnp.take_along_axis(x, index.astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)
+
+
+def _check_caches(caches: Sequence[LayerCache], num_layers: int, positions: jax.Array) -> None:
+  """One cache per layer, each with the batch of ``positions`` [B, S]; concrete positions (outside a trace) must
+  lie in [0, cache length): the cache write would drop a token past the end without a word."""
+  if len(caches) != num_layers:
+    raise ValueError(f"got {len(caches)} layer caches for {num_layers} layers")
+  b = positions.shape[0]
+  for i, c in enumerate(caches):
+    if c.k.shape[0] != b:
+      raise ValueError(f"layer {i}'s cache holds {c.k.shape[0]} sequences but the input has {b} "
+                       f"(init_caches(batch={b}, ...))")
+  if not isinstance(positions, jax.core.Tracer) and positions.size:
+    lo, hi, length = int(jnp.min(positions)), int(jnp.max(positions)), caches[0].max_length
+    if lo < 0 or hi >= length:
+      raise ValueError(f"positions span [{lo}, {hi}] but the caches hold positions [0, {length}); "
+                       f"make them with init_caches(batch, max_length > {hi})")
 
 
 def _check_ids(input_ids: jax.Array, vocab_size: int) -> None:

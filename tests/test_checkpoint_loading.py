@@ -125,3 +125,22 @@ def test_weights_that_cannot_fit_the_device_fail_before_reading(tmp_path, tiny_m
     m3jax.load(tmp_path)
   monkeypatch.setattr(fit, "device_limit", lambda device: total)  # exactly the weights' bytes: loads
   assert m3jax.load(tmp_path).dtype == jnp.float32
+
+
+def test_float16_weights_need_an_explicit_dtype_and_unsupported_dtypes_fail_first(tmp_path, tiny_model):
+  f = _single_file_checkpoint(tmp_path, tiny_model)
+  _rewrite(f, lambda t: t.update({k: v.astype(np.float16) for k, v in t.items() if v.dtype == np.float32
+                                  and "gate.weight" not in k and "correction_bias" not in k}))
+  with pytest.raises(CheckpointError, match=r"the weights are float16, which m3jax does not run in; pass dtype="):
+    m3jax.load(tmp_path)
+  loaded = m3jax.load(tmp_path, dtype="float32")  # fp16 -> fp32 is exact
+  assert loaded.dtype == jnp.float32
+  reference = jax.tree.map(lambda x: x.astype(jnp.float16).astype(jnp.float32) if x.dtype == jnp.float32 else x,
+                           nnx.state(tiny_model))
+  np.testing.assert_array_equal(np.asarray(loaded.embed[...]), np.asarray(reference["embed"][...]))
+  for bad, message in (("float16", "dtype float16 is not supported"), (jnp.int8, "dtype int8 is not supported"),
+                       ("fp9", "dtype 'fp9' is not a dtype")):
+    with pytest.raises(ValueError, match=message):
+      m3jax.load(tmp_path, dtype=bad)
+  with pytest.raises(CheckpointError, match="is a file; pass the checkpoint directory"):
+    m3jax.load(f)

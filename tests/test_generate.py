@@ -228,8 +228,19 @@ def test_prefill_and_decode_step_reproduce_generate(models):
     tok = np.asarray(jnp.argmax(logits, -1), np.int32)
   np.testing.assert_array_equal(np.stack(tokens, 1),
                                 generate(model, prompts, max_new_tokens=10, eos_token_ids=()).tokens)
-  with pytest.raises(ValueError, match="beyond the cache"):
+  with pytest.raises(ValueError, match=r"positions span \[10000, 10000\]: outside the cache"):
     m3jax.decode_step(model, tok, np.full(2, 10_000), caches)
+  with pytest.raises(ValueError, match=r"positions span \[-1, "):
+    m3jax.decode_step(model, tok, np.asarray([-1, 3]), caches)
+  with pytest.raises(ValueError, match="3 tokens for caches of 2 sequences"):
+    m3jax.decode_step(model, np.zeros(3, np.int32), np.zeros(3, np.int32), caches)
+  # The model's own forward checks the same on concrete inputs (the cache write would drop them silently).
+  length = caches[0].max_length
+  with pytest.raises(ValueError, match=rf"positions span \[{length}, {length + 1}\] but the caches hold positions "
+                                       rf"\[0, {length}\)"):
+    model.forward(jnp.ones((2, 2), jnp.int32), positions=jnp.full((2, 2), length) + jnp.arange(2), caches=caches)
+  with pytest.raises(ValueError, match="layer 0's cache holds 2 sequences but the input has 1"):
+    model.forward(jnp.ones((1, 2), jnp.int32), positions=jnp.zeros((1, 2), jnp.int32), caches=caches)
 
 
 def test_decoder_steps_reproduce_generate_and_compile_once(models):

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from m3jax.checkpoint import converted, fsutil, orbax_io
-from m3jax.checkpoint.loader import abstract_model, cast, checkpoint_dtype, plan_text_load
+from m3jax.checkpoint.loader import abstract_model, cast, default_run_dtype, plan_text_load
 from m3jax.checkpoint.mapping import LAYOUTS, prefixes
 from m3jax.checkpoint.pieces import Piece, split_rule
 from m3jax.checkpoint.safetensors_dir import CheckpointError
@@ -149,7 +149,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(src)
   layout_, rules = plan_text_load(cfg, source, None if layout == "auto" else layout)  # type: ignore[arg-type]
-  target = checkpoint_dtype(source, layout_) if dtype in (None, "auto") else jnp.dtype(DTYPES[str(dtype)])
+  target = default_run_dtype(source, layout_) if dtype in (None, "auto") else jnp.dtype(DTYPES[str(dtype)])
   _, flat = abstract_model(cfg, target)
   by_path = {rule.path: rule for rule in rules}
   summary = ConvertSummary(src=src, dst=dst, layout=layout_, dtype=jnp.dtype(target).name,

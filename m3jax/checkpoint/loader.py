@@ -30,7 +30,7 @@ from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.source import TensorSource
 from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.config import M3Config
-from m3jax.model import M3ForCausalLM
+from m3jax.model import SUPPORTED_DTYPES, M3ForCausalLM, model_dtype
 
 _DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32, "F16": jnp.float16}
 ParamPath = tuple[Any, ...]
@@ -111,6 +111,17 @@ def checkpoint_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
   return jnp.dtype(_DTYPES[st])
 
 
+def default_run_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
+  """The dtype a model loaded without ``dtype=`` runs in: the checkpoint's own when m3jax runs in it (bf16,
+  fp32); a float16 checkpoint raises CheckpointError asking for an explicit dtype (bf16 rounds its weights,
+  fp32 keeps them exactly at twice the memory)."""
+  own = checkpoint_dtype(ckpt, layout)
+  if own.name not in SUPPORTED_DTYPES:
+    raise CheckpointError(f"{ckpt.path}: the weights are {own.name}, which m3jax does not run in; pass dtype="
+                          f"'bfloat16' or 'float32' (m3jax convert: --dtype) to cast them on loading")
+  return own
+
+
 def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None, with_mtp: bool = False
                    ) -> tuple[nnx.GraphDef, list[tuple[ParamPath, Any]]]:
   """(graphdef, [(param path, abstract variable)]) of an M3ForCausalLM; nothing is allocated."""
@@ -171,6 +182,10 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
   """
   path = os.fspath(path)
+  if dtype is not None:
+    model_dtype(dtype)  # before any file is read
+  if os.path.isfile(path):
+    raise CheckpointError(f"{path}: is a file; pass the checkpoint directory (the one holding config.json)")
   if converted.is_converted(path):
     return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules, text_only, with_mtp)
   if converted.looks_partial(path):
@@ -181,7 +196,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(path)
   layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp)
-  dtype = checkpoint_dtype(source, layout) if dtype is None else jnp.dtype(dtype)
+  dtype = default_run_dtype(source, layout) if dtype is None else model_dtype(dtype)
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
@@ -210,7 +225,7 @@ def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text
   cfg = M3Config.from_file(path)
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
-  dtype = jnp.dtype(marker["dtype"]) if dtype is None else jnp.dtype(dtype)
+  dtype = jnp.dtype(marker["dtype"]) if dtype is None else model_dtype(dtype)
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
