@@ -36,7 +36,7 @@ _VISION_POSITIVE = {
     "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_layers": "num_hidden_layers",
     "num_heads": "num_attention_heads", "num_channels": "num_channels", "patch_size": "patch_size",
     "temporal_patch_size": "temporal_patch_size", "spatial_merge_size": "spatial_merge_size",
-    "layer_norm_eps": "layer_norm_eps", "rope_theta": "rope_theta", "segment_max_frames": "vision_segment_max_frames",
+    "layer_norm_eps": "layer_norm_eps", "rope_theta": "rope_theta",
 }
 
 
@@ -140,6 +140,8 @@ class VisionConfig:
   def __post_init__(self):
     for field, key in _VISION_POSITIVE.items():
       _check(getattr(self, field) > 0, f"vision_config.{key}", f"must be positive, got {getattr(self, field)}")
+    _check(self.segment_max_frames >= 0, "vision_config.vision_segment_max_frames",
+           f"must be >= 0 (0: one segment per video), got {self.segment_max_frames}")
     _check(self.hidden_size % self.num_heads == 0, "vision_config.num_attention_heads",
            f"hidden {self.hidden_size} not divisible by {self.num_heads} heads")
 

@@ -139,6 +139,12 @@ def test_integral_floats_are_integers_and_bad_vision_values_name_the_vision_key(
   bad["vision_config"]["patch_size"] = 0
   with pytest.raises(ConfigError, match="'vision_config.patch_size': must be positive, got 0"):
     M3Config.from_dict(bad)
+  ok = json.loads(json.dumps(LEGACY))
+  ok["vision_config"]["vision_segment_max_frames"] = 0  # one segment per video
+  assert M3Config.from_dict(ok).vision.segment_max_frames == 0
+  ok["vision_config"]["vision_segment_max_frames"] = -1
+  with pytest.raises(ConfigError, match="'vision_config.vision_segment_max_frames': must be >= 0"):
+    M3Config.from_dict(ok)
 
 
 def test_silu_is_only_accepted_from_hf_flat_configs():
