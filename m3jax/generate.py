@@ -77,6 +77,14 @@ def pad_embeds(prompt_embeds: jax.Array | np.ndarray | None, padded: np.ndarray)
   return jnp.pad(jnp.asarray(prompt_embeds), ((0, 0), (0, bucket - prompt_embeds.shape[1]), (0, 0)))
 
 
+def check_padded_ids(padded: np.ndarray, lengths: np.ndarray, vocab_size: int, what: str) -> None:
+  """Raises ValueError naming ``what`` when an id of the right-padded rows [B, S] (their first ``lengths`` [B]
+  entries; the padding is not looked at) lies outside [0, vocab_size)."""
+  real = padded[np.arange(padded.shape[1])[None] < lengths[:, None]]
+  if real.min() < 0 or real.max() >= vocab_size:
+    raise ValueError(f"{what} outside [0, {vocab_size}): min {real.min()}, max {real.max()}")
+
+
 def stop_ids(model: M3ForCausalLM, eos_token_ids: Sequence[int] | None) -> jax.Array:
   """int32 [n] stop tokens for a generation loop: the config's eos ids when None; () gives [-1] (never stops)."""
   eos = resolve_stop_ids(eos_token_ids, model.config.text.eos_token_ids, model.config.text.vocab_size)
@@ -98,10 +106,7 @@ def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max
   """Checks sizes before any compute; returns the cache length."""
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  vocab = model.config.text.vocab_size
-  real = padded[np.arange(padded.shape[1])[None] < lengths[:, None]]  # the prompts' own ids, not the padding
-  if real.min() < 0 or real.max() >= vocab:
-    raise ValueError(f"prompt ids outside [0, {vocab}): min {real.min()}, max {real.max()}")
+  check_padded_ids(padded, lengths, model.config.text.vocab_size, "prompt ids")
   longest = int(lengths.max())
   limit = model.config.text.max_position_embeddings if max_length is None else max_length
   if longest > limit:

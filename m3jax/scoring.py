@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax import sharding
-from m3jax.generate import Decoder, _GraphKey, check_prefill_chunk, pad_embeds, pad_prompts, prefill_in_chunks
+from m3jax.generate import (Decoder, _GraphKey, check_padded_ids, check_prefill_chunk, pad_embeds, pad_prompts,
+                            prefill_in_chunks)
 from m3jax.model import M3ForCausalLM
 
 
@@ -77,10 +78,7 @@ def token_logprobs(model: M3ForCausalLM, sequences: Sequence[Sequence[int]] | np
   """
   check_prefill_chunk(prefill_chunk)
   padded, lengths = pad_prompts(sequences)
-  vocab = model.config.text.vocab_size
-  real = padded[np.arange(padded.shape[1])[None] < lengths[:, None]]  # the sequences' own ids, not the padding
-  if real.min() < 0 or real.max() >= vocab:
-    raise ValueError(f"token ids outside [0, {vocab}): min {real.min()}, max {real.max()}")
+  check_padded_ids(padded, lengths, model.config.text.vocab_size, "token ids")
   limit = model.config.text.max_position_embeddings
   if int(lengths.max()) > limit:
     raise ValueError(f"a sequence of {int(lengths.max())} tokens exceeds max_position_embeddings ({limit})")

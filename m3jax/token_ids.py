@@ -30,7 +30,7 @@ def token_list(ids: Sequence[int] | np.ndarray, what: str) -> list[int]:
       raise ValueError(f"{what}: expected a 1-D sequence of token ids, got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"{what}: token ids must be integers, got dtype {arr.dtype}")
-    return [int(t) for t in arr]
+    return arr.tolist()
   out = []
   for j, t in enumerate(ids):
     if not is_token_id(t):

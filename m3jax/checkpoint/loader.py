@@ -182,8 +182,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
   """
   path = os.fspath(path)
-  if dtype is not None:
-    model_dtype(dtype)  # before any file is read
+  dtype = None if dtype is None else model_dtype(dtype)  # resolved before any file is read
   if os.path.isfile(path):
     raise CheckpointError(f"{path}: is a file; pass the checkpoint directory (the one holding config.json)")
   if converted.is_converted(path):
@@ -196,7 +195,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(path)
   layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp)
-  dtype = default_run_dtype(source, layout) if dtype is None else model_dtype(dtype)
+  dtype = default_run_dtype(source, layout) if dtype is None else dtype
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
@@ -225,7 +224,7 @@ def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text
   cfg = M3Config.from_file(path)
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
-  dtype = jnp.dtype(marker["dtype"]) if dtype is None else model_dtype(dtype)
+  dtype = jnp.dtype(marker["dtype"]) if dtype is None else dtype
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
