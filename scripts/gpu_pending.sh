@@ -3,6 +3,10 @@
 # multimodal speculative decoding" and "Conversations and scoring"), as one device call of under 10 minutes:
 #
 #   run(command="bash scripts/gpu_pending.sh", timeout_s=600)       # the device tool, from the repo root
+#   run(command="STEPS='full_chunked spec_stream' bash scripts/gpu_pending.sh")   # chosen steps only
+#
+# STEPS (default "engine full_chunked tests") picks steps by name: engine, full_chunked, tests, spec_stream,
+# prefill_memory. The last two are not in the default set: with it they would not fit one 10-minute call.
 #
 # Each step has its own time limit and log under $OUT (default /tmp/gpu_pending), so a step that hangs or fails
 # costs only its own slot and the rest still run; $OUT/summary.txt lists each step's exit status and seconds.
@@ -12,9 +16,12 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 
-step() {  # step NAME SECONDS COMMAND...
+STEPS="${STEPS:-engine full_chunked tests}"
+
+step() {  # step NAME SECONDS COMMAND...  (skipped unless NAME is in $STEPS)
   local name=$1 limit=$2
   shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local start=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -39,5 +46,14 @@ step full_chunked 190 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/be
 step tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -p no:cacheprovider -n 8 \
   -m "not interpret" tests/test_engine.py tests/test_conversation.py tests/test_scoring.py tests/test_generate.py \
   tests/test_speculative.py -k "engine or request or cancel or conversation or scor or logprob or continuation or chunked"
+
+# 4. generate_speculative_stream's cost per round against the on-device speculative loop, 60 layers + MTP
+#    (plain step, k=3 round, then the stream at 1 and 4 rounds per call: ~5 compiles of ~50 s).
+step spec_stream 330 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/bench_speculative.py --one-shard 8 \
+  --concurrency 4 --drafts 3 --stream-prompt 256 --stream-rounds-per-call 1,4 --out "$OUT/spec.json"
+
+# 5. Temporary memory of the Pallas-path prefill, one shot against chunks (compile only, first 4 layers, 128K).
+step prefill_memory 200 python3 scripts/estimate_prefill_memory.py --layers 4 --prompt 131072 --chunks 8192,2048 \
+  --out "$OUT/prefill_memory.json"
 
 cat "$OUT/summary.txt"
