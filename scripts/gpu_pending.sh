@@ -49,8 +49,9 @@ step tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -p n
 
 # 4. generate_speculative_stream's cost per round against the on-device speculative loop, 60 layers + MTP
 #    (plain step, k=3 round, then the stream at 1 and 4 rounds per call: ~5 compiles of ~50 s).
+#    LAYERS=30 fits an H100 (as in step 2).
 step spec_stream 330 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 python3 scripts/bench_speculative.py --one-shard 8 \
-  --concurrency 4 --drafts 3 --stream-prompt 256 --stream-rounds-per-call 1,4 --out "$OUT/spec.json"
+  --layers "${LAYERS:-60}" --concurrency 4 --drafts 3 --stream-prompt 256 --stream-rounds-per-call 1,4 --out "$OUT/spec.json"
 
 # 5. Temporary memory of the Pallas-path prefill, one shot against chunks (compile only, first 4 layers, 128K).
 step prefill_memory 200 python3 scripts/estimate_prefill_memory.py --layers 4 --prompt 131072 --chunks 8192,2048 \
