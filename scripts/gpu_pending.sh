@@ -17,6 +17,10 @@ export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 
 STEPS="${STEPS:-engine full_chunked tests}"
+for name in $STEPS; do  # a misspelt name would otherwise run nothing and say nothing
+  case " engine full_chunked tests spec_stream prefill_memory " in *" $name "*) ;;
+    *) echo "gpu_pending.sh: unknown step '$name' in STEPS" >&2; exit 2 ;; esac
+done
 
 step() {  # step NAME SECONDS COMMAND...  (skipped unless NAME is in $STEPS)
   local name=$1 limit=$2
