@@ -41,6 +41,7 @@ def test_bench_generate_smoke(tmp_path):
   assert check["all"]["max"] <= 1e-4  # smoke dims run in fp32 (the kernels fall back by rule)
 
 
+@pytest.mark.slow
 def test_bench_moe_tiny(tmp_path):
   out = tmp_path / "moe.json"
   run_script("scripts/bench_moe.py", "--tiny", "--no-edge", "--fp32-check", "--decode", "1", "--prefill", "256",
@@ -55,6 +56,7 @@ def test_bench_moe_tiny(tmp_path):
     assert isinstance(prefill[key], float), (key, prefill[key])
 
 
+@pytest.mark.slow
 def test_bench_fp32_decode_smoke(tmp_path):
   out = tmp_path / "fp32.json"
   run_script("scripts/bench_fp32_decode.py", "--smoke", "--tokens", "3", "--out", str(out))
@@ -66,6 +68,7 @@ def test_bench_fp32_decode_smoke(tmp_path):
   assert loop["prepared_expert_operands_gb"] == pytest.approx(1.5 * 4 * (8 * 3 + 3) * 256 * 128 / 1e9)
 
 
+@pytest.mark.slow
 def test_bench_moe_tiny_narrow_experts_and_decode_tiles(tmp_path):
   """--expert-width (a tensor-parallel slice) and --decode-tiles rows: each variant checked against the reference."""
   out = tmp_path / "moe.json"
@@ -79,6 +82,7 @@ def test_bench_moe_tiny_narrow_experts_and_decode_tiles(tmp_path):
     assert row["check_rel_err,max_abs"][0] < 1e-2 and isinstance(row["kernel_ms"], float), row
 
 
+@pytest.mark.slow
 def test_bench_attention_interpret(tmp_path):
   run_script("scripts/bench_attention.py", "--interpret", "--quick", "--sizes", "256", "--sections",
              "indexer,decode,kvmajor", "--decode", "1x256", "--out", str(tmp_path))
@@ -95,6 +99,7 @@ def test_bench_attention_interpret(tmp_path):
   assert finite and rel < 1e-2  # the merge is a real LSE-weighted sum of the written partials
 
 
+@pytest.mark.slow
 def test_bench_attention_on_saved_selections(tmp_path):
   """--selections: sparse prefill timed on selections saved by `m3jax forward --save-selections` (here a
   hand-made 136-token file: queries in block 1 select blocks 1 and 0, the others only block 0)."""
@@ -133,6 +138,7 @@ def test_bench_sharding_smoke(tmp_path):
   assert r["cpu_devices"] == 8 and max(r["rel_err"].values()) < 1e-5
 
 
+@pytest.mark.slow
 def test_bench_full_smoke(tmp_path):
   out = tmp_path / "full.json"
   run_script("scripts/bench_full.py", "--smoke", "--mesh", "expert=4,tensor=2", "--decode-steps", "2",

@@ -10,6 +10,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import m3jax
@@ -26,6 +27,7 @@ def _kernel_ready_config() -> M3Config:
   return M3Config(text=text)
 
 
+@pytest.mark.slow
 def test_bf16_model_on_kernels_matches_the_reference_path(caplog):
   cfg = _kernel_ready_config()
   reference = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="reference", rngs=nnx.Rngs(0))
@@ -92,6 +94,7 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_speculative_decoding_on_kernels():
   """MTP speculative decoding with every op on its kernel. The verification forward runs k + 1 new tokens per
   sequence against the caches (the decode indexer / attention kernels' few-token path): its logits must match
@@ -132,6 +135,7 @@ def test_speculative_decoding_on_kernels():
     assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (row, logits.max(-1) - chosen)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_on_kernels(caplog):
   """A prefill in chunks of 256 tokens (each chunk's queries against the cache of the ones before: the indexer's
   and the attention kernels' cached-prefix path) gives the one-shot prefill's last-token logits and caches, with
@@ -155,6 +159,7 @@ def test_chunked_prefill_on_kernels(caplog):
           assert np.abs(x_r - y_r).max() / np.abs(x_r).max() < 2e-2, (layer, name, row)
 
 
+@pytest.mark.slow
 def test_conversation_on_kernels(caplog):
   """A second turn prefilled against the first turn's caches on the kernels (the cached-prefix path at an offset
   that is not a multiple of the block), its padding clipped at the end of the caches (303 cached + 150 new ids

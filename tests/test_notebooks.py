@@ -27,6 +27,7 @@ def test_committed_without_outputs_and_paired(path):
   assert [c.source for c in paired.cells] == [c.source for c in nb.cells], f"{path.name} and its .py differ"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path, monkeypatch):
   monkeypatch.setenv("PYTHONPATH", REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -200,6 +200,7 @@ def test_vision_tower_data_parallel_over_images_matches():
     assert r["rel_err"] <= 1e-5, (mesh, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("meshes", [MESHES[:3], MESHES[3:]])
 def test_sharded_greedy_generation_matches(meshes):
   result = run_worker("generate", "legacy_b128", *meshes)
@@ -288,6 +289,7 @@ def test_two_processes_reproduce_single_process_logits():
     assert r["rel_err"] <= 1e-5 and r["tokens_equal"], r
 
 
+@pytest.mark.slow
 def test_sharded_speculative_decoding_matches_one_device():
   """MTP weights restored into their shards (the module's layer split like a decoder layer) and speculative
   decoding (one program, and streamed) under tensor, expert, data x tensor and sequence-parallel plans: same

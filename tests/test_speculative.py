@@ -312,6 +312,7 @@ def test_streamed_speculative_tokens_equal_generate_speculative(temperature, k, 
     next(generate_speculative_stream(model, PROMPTS, max_new_tokens=4, rounds_per_call=0))
 
 
+@pytest.mark.slow
 def test_multimodal_speculative_decoding():
   """With image embeddings: greedy tokens equal generate's (prompt_embeds), the stream's too, and every round's
   d_1 is the MTP's over the sequence's embeddings shifted by one (image features where the next token is an
