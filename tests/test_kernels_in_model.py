@@ -27,6 +27,14 @@ def _kernel_ready_config() -> M3Config:
   return M3Config(text=text)
 
 
+def _on_references(model: m3jax.M3ForCausalLM, cfg: M3Config, dtype, **kwargs) -> m3jax.M3ForCausalLM:
+  """The same weights on the pure-jnp references: the golden side of the checks below. Its forwards cost
+  a fraction of a second where interpret-mode kernels take tens, and the kernels' own agreement with it is
+  bounded by ``test_bf16_model_on_kernels_matches_the_reference_path``."""
+  shape = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, dtype=dtype, kernels="reference", **kwargs))
+  return nnx.merge(nnx.graphdef(shape), nnx.state(model))
+
+
 @pytest.mark.slow
 def test_bf16_model_on_kernels_matches_the_reference_path(caplog):
   cfg = _kernel_ready_config()
@@ -87,9 +95,7 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   caches = model.init_caches(2, 128)
   tokens, positions = jnp.asarray([3, 5], jnp.int32), jnp.asarray([0, 0], jnp.int32)
   step = lambda m, prep: np.asarray(jax.jit(lambda p: _decode(m, tokens, positions, caches, p)[0])(prep))
-  reference = nnx.merge(nnx.graphdef(nnx.eval_shape(
-      lambda: m3jax.M3ForCausalLM(cfg, dtype=jnp.float32, kernels="reference"))), nnx.state(model))
-  want = step(reference, None)
+  want = step(_on_references(model, cfg, jnp.float32), None)
   for got in (step(model, prepared), step(model, None)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -99,8 +105,8 @@ def test_speculative_decoding_on_kernels():
   """MTP speculative decoding with every op on its kernel. The verification forward runs k + 1 new tokens per
   sequence against the caches (the decode indexer / attention kernels' few-token path): its logits must match
   one-token steps. The tokens of ``generate_speculative`` must be greedy under the target: each one the argmax of
-  the full forward's logits, up to bf16 near-ties (a k + 1-token forward and one-token steps round differently,
-  so an exact tie-break cannot be asked of bf16 kernels)."""
+  the full forward's logits (on the references), up to bf16 near-ties (a k + 1-token forward and one-token steps
+  round differently, so an exact tie-break cannot be asked of bf16 kernels)."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   from m3jax.speculative import generate_speculative  # pylint: disable=g-import-not-at-top
 
@@ -108,11 +114,11 @@ def test_speculative_decoding_on_kernels():
   cfg = dataclasses.replace(base, text=dataclasses.replace(base.text, num_mtp_modules=1))
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0), with_mtp=True)
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(0, 256, 300).tolist(), rng.integers(0, 256, 130).tolist()]  # > top-k x 128; ragged
 
-  # Few-token decode against one-token steps, from the same prefilled cache.
-  prompt = prompts[0] + rng.integers(0, 256, 4).tolist()
-  ids, n = jnp.asarray([prompt], jnp.int32), len(prompts[0])
+  # Few-token decode against one-token steps, from the same prefilled cache (300 > top-k x 128: pruned).
+  n = 300
+  prompt = rng.integers(0, 256, n + 4).tolist()
+  ids = jnp.asarray([prompt], jnp.int32)
   pos = jnp.arange(len(prompt), dtype=jnp.int32)[None]
   forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))
   prefilled = forward(ids[:, :n], pos[:, :n], model.init_caches(1, 512)).caches
@@ -125,12 +131,17 @@ def test_speculative_decoding_on_kernels():
   scale = np.abs(np.stack(steps)).max()
   assert np.abs(together - np.stack(steps)).max() / scale < 2e-2
 
+  # Row 0's rounds verify against 256+ cached tokens (more than top-k x 128: pruned), row 1's against fewer
+  # (ragged); 256 is a whole bucket, so the prefill inside is 2 x 256 tokens, not 2 x 512.
+  prompts = [rng.integers(0, 256, 256).tolist(), rng.integers(0, 256, 130).tolist()]
   out = generate_speculative(model, prompts, max_new_tokens=6, num_draft_tokens=2, eos_token_ids=())
   assert out.drafts.shape[2] == 2 and out.rounds.min() >= 2
+  reference = _on_references(model, cfg, jnp.bfloat16, with_mtp=True)
+  full_forward = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)))
   for row, p in enumerate(prompts):
     seq = p + out.tokens[row].tolist()
-    logits = np.asarray(forward(jnp.asarray([seq], jnp.int32), jnp.arange(len(seq), dtype=jnp.int32)[None],
-                                model.init_caches(1, 512)).logits[0, len(p) - 1:-1])
+    logits = np.asarray(full_forward(jnp.asarray([seq], jnp.int32),
+                                     jnp.arange(len(seq), dtype=jnp.int32)[None]).logits[0, len(p) - 1:-1])
     chosen = logits[np.arange(6), out.tokens[row]]
     assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (row, logits.max(-1) - chosen)
 
@@ -138,13 +149,13 @@ def test_speculative_decoding_on_kernels():
 @pytest.mark.slow
 def test_chunked_prefill_on_kernels(caplog):
   """A prefill in chunks of 256 tokens (each chunk's queries against the cache of the ones before: the indexer's
-  and the attention kernels' cached-prefix path) gives the one-shot prefill's last-token logits and caches, with
-  no op falling back to its reference."""
+  and the attention kernels' cached-prefix path) gives the last-token logits and caches of a one-shot prefill on
+  the references, with no op falling back to its reference."""
   cfg = _kernel_ready_config()
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, 256, 512).tolist(), rng.integers(0, 256, 300).tolist()]  # 2 chunks; row 1 ends in #2
-  whole = m3jax.prefill(model, prompts, max_new_tokens=4)
+  whole = m3jax.prefill(_on_references(model, cfg, jnp.bfloat16), prompts, max_new_tokens=4)
   with caplog.at_level(logging.WARNING, logger="m3jax.ops"):
     chunked = m3jax.prefill(model, prompts, max_new_tokens=4, prefill_chunk=256)
   assert not [r.message for r in caplog.records if "falls back" in r.message or "no Pallas kernel" in r.message]
@@ -163,15 +174,16 @@ def test_chunked_prefill_on_kernels(caplog):
 def test_conversation_on_kernels(caplog):
   """A second turn prefilled against the first turn's caches on the kernels (the cached-prefix path at an offset
   that is not a multiple of the block), its padding clipped at the end of the caches (303 cached + 150 new ids
-  pad to 256, past the 512 slots): each reply token is greedy under the whole conversation's full forward, up to
-  bf16 near-ties, and no op falls back to its reference."""
+  pad to 256, past the 512 slots): each reply token is greedy under the whole conversation's full forward (on the
+  references), up to bf16 near-ties, and no op falls back to its reference."""
   from m3jax.conversation import Conversation  # pylint: disable=g-import-not-at-top
 
   cfg = _kernel_ready_config()
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0))
   rng = np.random.default_rng(2)
   conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
-  forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))
+  reference = _on_references(model, cfg, jnp.bfloat16)
+  full_forward = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)))
   prompt = rng.integers(0, 256, 300).tolist()
   with caplog.at_level(logging.WARNING, logger="m3jax.ops"):
     for turn in range(2):
@@ -179,14 +191,14 @@ def test_conversation_on_kernels(caplog):
       if turn == 1:
         assert (conv.last_turn.reused, conv.last_turn.prefilled) == (303, 150)
       seq = prompt + reply
-      logits = np.asarray(forward(jnp.asarray([seq], jnp.int32), jnp.arange(len(seq), dtype=jnp.int32)[None],
-                                  model.init_caches(1, 512)).logits[0, len(prompt) - 1:-1])
+      logits = np.asarray(full_forward(jnp.asarray([seq], jnp.int32),
+                                       jnp.arange(len(seq), dtype=jnp.int32)[None]).logits[0, len(prompt) - 1:-1])
       chosen = logits[np.arange(3), reply]
       assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (turn, logits.max(-1) - chosen)
       prompt = seq + rng.integers(0, 256, 150).tolist()
   # The caches built over two turns hold what one prefill of the whole conversation writes.
   n = len(conv.history)
-  whole = m3jax.prefill(model, [conv.history], max_new_tokens=1)
+  whole = m3jax.prefill(reference, [conv.history], max_new_tokens=1)
   for layer, (a, b) in enumerate(zip(whole.caches, conv.caches)):
     for name in ("k", "v", "idx_k"):
       if getattr(a, name) is not None:
