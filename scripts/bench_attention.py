@@ -48,6 +48,11 @@ ROWS: list[dict] = []
 INTERPRET = False  # --interpret: CPU dry run of this script on tiny sizes (kernels in GPU interpret mode)
 
 
+def timed(fn, *args, iters: int = 5):
+  """gpu_ms, with one timed call per measurement under --interpret (its times mean nothing there)."""
+  return gpu_ms(fn, *args, iters=1 if INTERPRET else iters)
+
+
 def record(section, **kw):
   row = dict(section=section, **kw)
   ROWS.append(row)
@@ -82,11 +87,11 @@ def set_match(got, ref):
 def ceilings():
   n = (1 << 16) if INTERPRET else (1 << 30)
   x = jnp.ones((n,), jnp.float32)  # 4 GiB
-  _, ms, how = gpu_ms(jax.jit(lambda a: a * 2.0), x)
+  _, ms, how = timed(jax.jit(lambda a: a * 2.0), x)
   record("ceiling", what="copy x*2 (read+write) GB/s", value=round(8 * n / ms / 1e6, 1), timer=how)
   m = 256 if INTERPRET else 8192
   a = jax.random.normal(jax.random.key(0), (m, m), jnp.bfloat16)
-  _, ms, how = gpu_ms(jax.jit(lambda a, b: a @ b), a, a)
+  _, ms, how = timed(jax.jit(lambda a, b: a @ b), a, a)
   record("ceiling", what=f"bf16 matmul {m}^3 TFLOP/s", value=round(2 * m**3 / ms / 1e9, 1), timer=how)
 
 
@@ -159,8 +164,8 @@ def kv_major_floor(s):
     w = jax.nn.softmax(lse, axis=2)[..., None]
     return jnp.sum(part.astype(jnp.float32) * w, axis=2).astype(jnp.bfloat16)
 
-  part, write_ms, how = gpu_ms(write, q, iters=3)
-  out, merge_ms, _ = gpu_ms(jax.jit(merge), part, lse, iters=3)
+  part, write_ms, how = timed(write, q, iters=3)
+  out, merge_ms, _ = timed(jax.jit(merge), part, lse, iters=3)
   want = (q.astype(jnp.float32) * jnp.sum(jax.nn.softmax(lse, axis=2) * weights[:, None], axis=2)[..., None])
   gb = part.size * 2 / 1e9
   record("kv_major_floor", S=s, partial_GB=round(gb, 2), write_ms=round(write_ms, 3), merge_ms=round(merge_ms, 3),
@@ -183,13 +188,13 @@ def indexer_prefill(s, with_ref):
   ref = None
   if with_ref:
     fn = jax.jit(functools.partial(indexer_topk_reference, **kw))
-    ref, ms, how = gpu_ms(fn, idx_q, idx_k, pos, iters=1 if s > 40000 else 3)
+    ref, ms, how = timed(fn, idx_q, idx_k, pos, iters=1 if s > 40000 else 3)
     record("indexer_prefill", S=s, variant="xla_reference", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), timer=how)
   for name, bs in (("fused_topk", IndexerBlockSizes(kv_stages=2, fused_topk=True)),
                    ("fused_topk_s3", IndexerBlockSizes(kv_stages=3, fused_topk=True)),
                    ("scores+lax.top_k", IndexerBlockSizes(kv_stages=2, fused_topk=False))):
     fn = jax.jit(functools.partial(indexer_topk, block_sizes=bs, interpret=INTERPRET, **kw))
-    out, ms, how = gpu_ms(fn, idx_q, idx_k, pos, iters=5 if s <= 40000 else 3)
+    out, ms, how = timed(fn, idx_q, idx_k, pos, iters=5 if s <= 40000 else 3)
     match = set_match(out, ref) if ref is not None else None
     record("indexer_prefill", S=s, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
            set_match=match, timer=how)
@@ -241,12 +246,12 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
   ref = None
   if with_ref:
     fn = jax.jit(functools.partial(sparse_attention_reference, block_size=BLOCK, scale=SCALE))
-    ref, ms, how = gpu_ms(fn, q, k, v, ids, pos, iters=1 if s > 40000 else 3)
+    ref, ms, how = timed(fn, q, k, v, ids, pos, iters=1 if s > 40000 else 3)
     record("sparse_prefill", S=s, selection=sel, variant="xla_reference", ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), timer=how)
   for name, bs in variants:
     fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=SCALE, block_sizes=bs, interpret=INTERPRET))
-    out, ms, how = gpu_ms(fn, q, k, v, ids, pos, iters=5 if s <= 40000 else 2)
+    out, ms, how = timed(fn, q, k, v, ids, pos, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
     record("sparse_prefill", S=s, selection=sel, union_q4=union_q4, variant=name, ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
@@ -260,7 +265,7 @@ def dense_prefill(s, with_ref):
   ref = None
   if with_ref:
     fn = jax.jit(functools.partial(causal_attention_reference, scale=SCALE))
-    ref, ms, how = gpu_ms(fn, q, k, v, pos, iters=1 if s > 40000 else 3)
+    ref, ms, how = timed(fn, q, k, v, pos, iters=1 if s > 40000 else 3)
     record("dense_prefill", S=s, variant="xla_reference", ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
            timer=how)
   ws = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="every")
@@ -270,7 +275,7 @@ def dense_prefill(s, with_ref):
                    ("pallas dense plan, 2 compute WGs, no ping-pong",
                     dict(use_cudnn=False, block_sizes=dataclasses.replace(ws, ping_pong="off")))):
     fn = jax.jit(functools.partial(causal_attention, scale=SCALE, interpret=INTERPRET, **kw))
-    out, ms, how = gpu_ms(fn, q, k, v, pos, iters=5 if s <= 40000 else 2)
+    out, ms, how = timed(fn, q, k, v, pos, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
     record("dense_prefill", S=s, variant=name, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1), rel_err=err,
            timer=how)
@@ -286,7 +291,7 @@ def fa3_baseline(q, k, v, s, flops, ref):
     cfg = attention_mgpu.TuningConfig(block_q=bq, block_kv=128, max_concurrent_steps=stages, causal=True)
     fn = jax.jit(lambda q_, k_, v_, cfg=cfg: attention_mgpu.attention(q_ * SCALE, k_, v_, cfg))
     f16 = [a.astype(jnp.float16) for a in (q, k, v)]  # the example's shared-memory buffers are fp16
-    out, ms, how = gpu_ms(fn, *f16, iters=5 if s <= 40000 else 2)
+    out, ms, how = timed(fn, *f16, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
     record("dense_prefill", S=s, variant=f"jax attention_mgpu FA3 (block_q={bq}, {stages} stages)", ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
@@ -311,8 +316,8 @@ def decode(b, s, bandwidth_gbs):
   roof_us = bytes_read / (bandwidth_gbs * 1e3)
   fn = jax.jit(decode_layer)
   ref_fn = jax.jit(functools.partial(decode_layer, reference=True))
-  ref, ref_ms, _ = gpu_ms(ref_fn, idx_q, idx_k, q, k, v, pos, iters=3)
-  out, ms, how = gpu_ms(fn, idx_q, idx_k, q, k, v, pos, iters=10)
+  ref, ref_ms, _ = timed(ref_fn, idx_q, idx_k, q, k, v, pos, iters=3)
+  out, ms, how = timed(fn, idx_q, idx_k, q, k, v, pos, iters=10)
   err = rel_err(out, ref)
   # Diagnostics: selections (kernel / XLA reference / reference scores + sort) and attention alone.
   kw = dict(block_size=BLOCK, topk=TOPK, local_blocks=1)

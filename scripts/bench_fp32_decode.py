@@ -45,7 +45,7 @@ def _block_inputs(t: int, h: int, i: int, e: int, seed: int):
           n(ks[5], (h, 2 * i), h ** -0.5), n(ks[6], (i, h), i ** -0.5))
 
 
-def bench_block(t: int, h: int, i: int, e: int, top_k: int, rounds: int, interpret) -> dict:
+def bench_block(t: int, h: int, i: int, e: int, top_k: int, rounds: int, interpret, iters: int = 5) -> dict:
   """fp32 moe_block with operands prepared once vs built per call (alternating rounds)."""
   args = _block_inputs(t, h, i, e, seed=t)
   kw = dict(KW, top_k=top_k, interpret=interpret)
@@ -58,9 +58,9 @@ def bench_block(t: int, h: int, i: int, e: int, top_k: int, rounds: int, interpr
   times: dict[str, list[float]] = {"per_call": [], "prepared": []}
   timer = None
   for _ in range(rounds):
-    _, ms, timer = gpu_ms(per_call, *args)
+    _, ms, timer = gpu_ms(per_call, *args, iters=iters)
     times["per_call"].append(ms)
-    _, ms, timer = gpu_ms(once, prepared, *args)
+    _, ms, timer = gpu_ms(once, prepared, *args, iters=iters)
     times["prepared"].append(ms)
   _, ids, _ = route_reference(args[0], args[1], args[2], top_k=top_k)
   touched = len(np.unique(np.asarray(ids)))
@@ -84,7 +84,7 @@ def model_config(layers: int, h: int, i: int, e: int, top_k: int) -> M3Config:
   return M3Config(text=text)
 
 
-def bench_loop(cfg: M3Config, batch: int, context: int, steps: int, rounds: int) -> dict:
+def bench_loop(cfg: M3Config, batch: int, context: int, steps: int, rounds: int, repeats: int = 3) -> dict:
   """ms per decode step of an on-device loop, decode weights prepared once vs per step (alternating)."""
   model = M3ForCausalLM(cfg, dtype=jnp.float32, kernels="pallas", rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
@@ -105,8 +105,8 @@ def bench_loop(cfg: M3Config, batch: int, context: int, steps: int, rounds: int)
 
   times: dict[str, list[float]] = {"per_step": [], "prepared": []}
   for _ in range(rounds):
-    times["per_step"].append(timed_ms(loop, state, None, caches, repeats=3) / steps)
-    times["prepared"].append(timed_ms(loop, state, prepared, caches, repeats=3) / steps)
+    times["per_step"].append(timed_ms(loop, state, None, caches, repeats=repeats) / steps)
+    times["prepared"].append(timed_ms(loop, state, prepared, caches, repeats=repeats) / steps)
   same = bool(np.array_equal(np.asarray(loop(state, None, caches)), np.asarray(loop(state, prepared, caches))))
   med = {k: statistics.median(v) for k, v in times.items()}
   expert_bytes = sum(x.nbytes for p in prepared if p.experts is not None
@@ -128,11 +128,11 @@ def main() -> None:
   p.add_argument("--out", default=None)
   args = p.parse_args()
   h, i, e, top_k, context = (2048, 512, 128, 4, 1024) if not args.smoke else (256, 128, 8, 2, 256)
-  interpret = False
-  if args.smoke:
+  interpret, block_iters, loop_repeats = False, 5, 3  # timed calls per measurement
+  if args.smoke:  # interpret mode: its timings mean nothing, one timed call each checks the code path
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
     interpret = plgpu.InterpretGPUParams()
-    args.rounds, args.steps, args.layers, args.batch = 1, 2, 1, 2
+    args.rounds, args.steps, args.layers, args.batch, block_iters, loop_repeats = 1, 2, 1, 2, 1, 1
   res: dict = {"device": jax.devices()[0].device_kind, "block": [], "loop": None}
 
   def dump():
@@ -141,10 +141,11 @@ def main() -> None:
         json.dump(res, f, indent=1)
 
   for t in [int(v) for v in args.tokens.split(",") if v]:
-    res["block"].append(bench_block(t, h, i, e, top_k, args.rounds, interpret))
+    res["block"].append(bench_block(t, h, i, e, top_k, args.rounds, interpret, iters=block_iters))
     print(json.dumps(res["block"][-1]), flush=True)
     dump()
-  res["loop"] = bench_loop(model_config(args.layers, h, i, e, top_k), args.batch, context, args.steps, args.rounds)
+  res["loop"] = bench_loop(model_config(args.layers, h, i, e, top_k), args.batch, context, args.steps, args.rounds,
+                           repeats=loop_repeats)
   print(json.dumps(res["loop"]), flush=True)
   dump()
 

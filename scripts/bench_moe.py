@@ -28,6 +28,7 @@ from pallas_kernels.moe.kernel_sm90 import grouped_matmul
 from pallas_kernels.moe.reference import route_reference
 
 H, I, E, IS, TOP_K = 6144, 3072, 128, 3072, 4
+TINY = False  # --tiny: CPU smoke test in the GPU interpreter
 KW = dict(top_k=TOP_K, routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
@@ -53,7 +54,10 @@ def block_args(x, w, bias=None):
 
 
 def timeit(f, *args, reps: int = 10, rounds: int = 5, warmup: int = 2) -> float:
-  """Median seconds per call over `rounds` rounds of `reps` back-to-back calls (after warm-up)."""
+  """Median seconds per call over `rounds` rounds of `reps` back-to-back calls (after warm-up); one call after
+  one warm-up under --tiny (the GPU interpreter: its times mean nothing, the call checks the code path)."""
+  if TINY:
+    reps, rounds, warmup = 1, 1, 1
   for _ in range(warmup):
     jax.block_until_ready(f(*args))
   times = []
@@ -324,9 +328,9 @@ def main():
                  help="extra decode rows with other tiles: comma-separated GATE_BN/DOWN_BN/STAGES (block_m 64 "
                       "split by columns; block_m 128 split by rows when a width is 64), e.g. 64/256/5,128/128/6")
   args = p.parse_args()
-  global H, I, E, IS
+  global H, I, E, IS, TINY
   if args.tiny:
-    H, I, E, IS = 256, 128, 8, 128
+    H, I, E, IS, TINY = 256, 128, 8, 128, True
   if args.expert_width:
     I = IS = args.expert_width
   if args.tiny:
