@@ -335,14 +335,16 @@ def test_multimodal_speculative_decoding():
   seq = np.concatenate([ids[0], ref.tokens[0]])
   seq_embeds = jnp.concatenate([embeds[0], model.embed_tokens(jnp.asarray(ref.tokens))[0]], axis=0)
   hidden = model.forward(jnp.asarray(seq[None]), inputs_embeds=seq_embeds[None]).hidden[0]
+  # One causal pass over the whole sequence: its position p - 1 is the pass over the first p positions.
+  n = len(seq) - 1
+  pos = jnp.arange(n, dtype=jnp.int32)[None]
+  args = (jnp.asarray(seq[None, 1:]), hidden[None, :n])
+  with_images = np.asarray(model.mtp_forward(*args, positions=pos, next_embeds=seq_embeds[None, 1:]).logits[0])
+  tokens_only = np.asarray(model.mtp_forward(*args, positions=pos).logits[0])
   p, mismatched_by_tokens = ids.shape[1], 0
   for r in range(out.drafts.shape[1]):
-    pos = jnp.arange(p, dtype=jnp.int32)[None]
-    args = (jnp.asarray(seq[None, 1:p + 1]), hidden[None, :p])
-    with_images = model.mtp_forward(*args, positions=pos, next_embeds=seq_embeds[None, 1:p + 1]).logits[0, -1]
-    tokens_only = model.mtp_forward(*args, positions=pos).logits[0, -1]
-    assert out.drafts[0, r, 0] == int(jnp.argmax(with_images)), r
-    mismatched_by_tokens += int(jnp.argmax(tokens_only)) != out.drafts[0, r, 0]
+    assert out.drafts[0, r, 0] == with_images[p - 1].argmax(), r
+    mismatched_by_tokens += int(tokens_only[p - 1].argmax() != out.drafts[0, r, 0])
     p += int(out.accepted_drafts[0, r]) + 1
   assert mismatched_by_tokens > 0  # reading token embeddings at the image positions would draft otherwise
   with pytest.raises(ValueError, match="next_embeds has shape"):
