@@ -27,11 +27,13 @@ def _kernel_ready_config() -> M3Config:
   return M3Config(text=text)
 
 
-def _on_references(model: m3jax.M3ForCausalLM, cfg: M3Config, dtype, **kwargs) -> m3jax.M3ForCausalLM:
-  """The same weights on the pure-jnp references: the golden side of the checks below. Its forwards cost
-  a fraction of a second where interpret-mode kernels take tens, and the kernels' own agreement with it is
+def _on_references(model: m3jax.M3ForCausalLM) -> m3jax.M3ForCausalLM:
+  """The same model and weights on the pure-jnp references: the golden side of the checks below. Its forwards
+  cost a fraction of a second where interpret-mode kernels take tens, and the kernels' own agreement with it is
   bounded by ``test_bf16_model_on_kernels_matches_the_reference_path``."""
-  shape = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, dtype=dtype, kernels="reference", **kwargs))
+  shape = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(
+      model.config, dtype=model.dtype, kernels="reference", with_vision=model.vision is not None,
+      with_mtp=model.mtp is not None))
   return nnx.merge(nnx.graphdef(shape), nnx.state(model))
 
 
@@ -95,7 +97,7 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   caches = model.init_caches(2, 128)
   tokens, positions = jnp.asarray([3, 5], jnp.int32), jnp.asarray([0, 0], jnp.int32)
   step = lambda m, prep: np.asarray(jax.jit(lambda p: _decode(m, tokens, positions, caches, p)[0])(prep))
-  want = step(_on_references(model, cfg, jnp.float32), None)
+  want = step(_on_references(model), None)
   for got in (step(model, prepared), step(model, None)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
@@ -136,7 +138,7 @@ def test_speculative_decoding_on_kernels():
   prompts = [rng.integers(0, 256, 256).tolist(), rng.integers(0, 256, 130).tolist()]
   out = generate_speculative(model, prompts, max_new_tokens=6, num_draft_tokens=2, eos_token_ids=())
   assert out.drafts.shape[2] == 2 and out.rounds.min() >= 2
-  reference = _on_references(model, cfg, jnp.bfloat16, with_mtp=True)
+  reference = _on_references(model)
   full_forward = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)))
   for row, p in enumerate(prompts):
     seq = p + out.tokens[row].tolist()
@@ -155,7 +157,7 @@ def test_chunked_prefill_on_kernels(caplog):
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0))
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, 256, 512).tolist(), rng.integers(0, 256, 300).tolist()]  # 2 chunks; row 1 ends in #2
-  whole = m3jax.prefill(_on_references(model, cfg, jnp.bfloat16), prompts, max_new_tokens=4)
+  whole = m3jax.prefill(_on_references(model), prompts, max_new_tokens=4)
   with caplog.at_level(logging.WARNING, logger="m3jax.ops"):
     chunked = m3jax.prefill(model, prompts, max_new_tokens=4, prefill_chunk=256)
   assert not [r.message for r in caplog.records if "falls back" in r.message or "no Pallas kernel" in r.message]
@@ -182,7 +184,7 @@ def test_conversation_on_kernels(caplog):
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0))
   rng = np.random.default_rng(2)
   conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
-  reference = _on_references(model, cfg, jnp.bfloat16)
+  reference = _on_references(model)
   full_forward = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)))
   prompt = rng.integers(0, 256, 300).tolist()
   with caplog.at_level(logging.WARNING, logger="m3jax.ops"):
