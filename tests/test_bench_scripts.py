@@ -142,7 +142,8 @@ def test_bench_sharding_smoke(tmp_path):
 def test_bench_full_smoke(tmp_path):
   out = tmp_path / "full.json"
   run_script("scripts/bench_full.py", "--smoke", "--mesh", "expert=4,tensor=2", "--decode-steps", "2",
-             "--loop-fusion-ab", "--out", str(out), env={"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"})
+             "--loop-fusion-ab", "--out", str(out),
+             env={"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"})
   r = json.loads(out.read_text())
   assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
   calls = r["decode_c4"]["looped_calls_ms"]  # the loop A/B: 3 interleaved calls of each variant
