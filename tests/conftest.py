@@ -58,6 +58,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ["JAX_PLATFORMS"] == "cpu":  # the kernels run in the Mosaic GPU interpreter: a faster host side
+  import fast_interpret_callbacks  # noqa: E402  pylint: disable=g-import-not-at-top
+
+  fast_interpret_callbacks.install()
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 _MAPPINGS_BEFORE_CLEARING = 30_000  # of the kernel's default vm.max_map_count, 65530
