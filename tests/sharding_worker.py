@@ -103,6 +103,9 @@ def generate(fixture: str, *meshes: str) -> dict:
   prompts, want = _prompts(fixture)
   # Four rows (each prompt twice) so a batch can split over data x expert; each row must match its prompt.
   prompts, want = prompts + prompts[::-1], np.concatenate([want, want[::-1]])
+  # The conversation's turn 2 (turn 1's prompt and reply, then 20 more ids) on one device: what every plan must give.
+  prompt2 = prompts[0] + want[0].tolist() + prompts[1][:20]
+  want_turn2 = gen(_load(fixture, None), [prompt2], max_new_tokens=8, eos_token_ids=()).tokens[0]
   out = {}
   for mesh in meshes:
     start = time.perf_counter()
@@ -113,13 +116,13 @@ def generate(fixture: str, *meshes: str) -> dict:
                                              steps_per_call=3)), axis=1)
     # Chunked prefill: a lax.scan over 64-token chunks of the (sequence-parallel) prompt, caches in its carry.
     chunked = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(), prefill_chunk=64).tokens
-    # A Conversation (batch 1): turn 2 continues turn 1's caches and must reply as generate on the whole text.
+    # A Conversation (batch 1): turn 2 continues turn 1's caches and must reply as one device's generate on the
+    # whole text.
     conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
     turn1 = np.concatenate(list(conv.reply(prompts[0], max_new_tokens=want.shape[1])))
-    prompt2 = prompts[0] + turn1.tolist() + prompts[1][:20]
     turn2 = np.concatenate(list(conv.reply(prompt2, max_new_tokens=8)))
     conversation_equal = (np.array_equal(turn1, want[0]) and conv.last_turn.reused == len(prompts[0]) + len(turn1)
-                          and np.array_equal(turn2, gen(model, [prompt2], max_new_tokens=8, eos_token_ids=()).tokens[0]))
+                          and np.array_equal(turn2, want_turn2))
     # Continuous batching: 2 slots (one per data rank at data=2) refilled with the 4 requests.
     engine = Engine(model, slots=2, max_length=384, eos_token_ids=(), steps_per_call=3)
     for i, p in enumerate(prompts):

@@ -15,14 +15,24 @@ import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).parent.parent
+# Its sitecustomize gives the scripts' interpret mode the faster callbacks the in-process tests have (conftest).
+INTERPRET_SITE = pathlib.Path(__file__).parent / "interpret_site"
 
 
 def run_script(*args: str, env: dict | None = None, timeout: int = 600) -> str:
-  full_env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **(env or {})}
+  full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(INTERPRET_SITE)]), "JAX_PLATFORMS": "cpu",
+              **(env or {})}
   proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, env=full_env,
                         timeout=timeout, check=False)
   assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
   return proc.stdout
+
+
+def test_scripts_run_with_the_faster_interpret_callbacks():
+  """run_script's subprocesses get tests/fast_interpret_callbacks.py installed (tests/interpret_site)."""
+  out = run_script("-c", "from jax._src import callback; print(callback.io_callback_impl.__module__)")
+  want = "jax._src.callback" if os.environ.get("M3JAX_TEST_FAST_INTERPRET") == "0" else "fast_interpret_callbacks"
+  assert out.strip().splitlines()[-1] == want, out
 
 
 def test_bench_generate_smoke(tmp_path):
