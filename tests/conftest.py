@@ -19,16 +19,18 @@ def _use_persistent_compilation_cache() -> None:
   """Keeps compiled XLA programs on disk, so that a program compiled again (by a later test or module after
   ``_release`` emptied jax's in-memory caches, by a CLI / notebook / script subprocess, or by a later run) is
   read back instead of rebuilt: outside interpret mode most of the suite's time is XLA:CPU compilation. Set
-  through the environment, before jax is imported, so the subprocesses tests start inherit it. One directory
-  per pytest-xdist worker (jax writes cache files without a lock unless eviction is on), under the checkout's
-  git-ignored ``.jax_cache/``; a fresh clone starts empty. ``M3JAX_TEST_COMPILATION_CACHE=0`` turns it off,
-  ``=<dir>`` puts it elsewhere."""
+  through the environment, before jax is imported, so the subprocesses tests start inherit it, and so do the
+  pytest-xdist workers: the controller process sets it before it starts them, so they share one directory
+  (``tests/main``; a clean-clone CI run leaves ~5,500 entries, 155 MB). jax writes an entry without a lock when
+  eviction is off; a worker that read one half written would get a decompression error, which jax reports as a
+  warning before compiling the program itself (none in the CI logs). Under the checkout's git-ignored
+  ``.jax_cache/``; a fresh clone starts empty. ``M3JAX_TEST_COMPILATION_CACHE=0`` turns it off, ``=<dir>`` puts
+  it elsewhere."""
   setting = os.environ.get("M3JAX_TEST_COMPILATION_CACHE", "")
   if setting == "0":
     return
   root = pathlib.Path(setting) if setting else pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"
-  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / "tests" / worker))
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / "tests" / "main"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
