@@ -56,14 +56,12 @@ def _compile_without_llvm_optimisation() -> None:
 _use_persistent_compilation_cache()
 _compile_without_llvm_optimisation()
 
+import fast_interpret_callbacks  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-if os.environ["JAX_PLATFORMS"] == "cpu":  # the kernels run in the Mosaic GPU interpreter: a faster host side
-  import fast_interpret_callbacks  # noqa: E402  pylint: disable=g-import-not-at-top
-
-  fast_interpret_callbacks.install()
+fast_interpret_callbacks.install()  # CPU runs: a faster host side for the kernels' interpret mode
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 _MAPPINGS_BEFORE_CLEARING = 30_000  # of the kernel's default vm.max_map_count, 65530

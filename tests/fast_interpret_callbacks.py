@@ -13,13 +13,15 @@ Operands that are not plain numpy arrays of a canonical dtype (never seen from X
 still go through ``jax.device_put``. Everything else is the original function: the CPU device lookup and its
 error, ``config.default_device``, the results converted with ``np.asarray``, and exceptions logged and raised.
 
-The replacement is tied to the source it was written against: ``install()`` leaves jax untouched (and says
-why) if the jax version or the original function's source differ. ``M3JAX_TEST_FAST_INTERPRET=0`` turns it
-off. ``tests/kernels/test_fast_interpret_callbacks.py`` checks kernels give bit-identical outputs both ways.
+The replacement is tied to the source it was written against: ``enable()`` leaves jax untouched (and says
+why) if the jax version or the original function's source differ. ``install()`` enables it on CPU runs
+(``JAX_PLATFORMS=cpu``) unless ``M3JAX_TEST_FAST_INTERPRET=0``. ``tests/kernels/test_fast_interpret_callbacks.py``
+checks kernels give bit-identical outputs both ways.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -42,18 +44,16 @@ JAX_VERSION = "0.11.2"
 ORIGINAL_SOURCE_SHA256 = "3396b676250803d9cf83d69ca8d38069575992d36644ad8799f9c0aa3afb40ee"
 ORIGINAL = _callback.io_callback_impl
 _logger = logging.getLogger("jax._src.callback")
-_avals: dict[tuple[tuple[int, ...], np.dtype], _core.ShapedArray] = {}
+_aval = functools.cache(_core.ShapedArray)  # (shape, dtype) -> aval
+_single_device_sharding = functools.cache(SingleDeviceSharding)
 
 
-def _on_cpu(x, cpu_device, sharding: SingleDeviceSharding):
+def _on_cpu(x, cpu_device):
   """``jax.device_put(x, cpu_device)`` for a numpy array of a canonical dtype, without jax's dispatch."""
   if type(x) is not np.ndarray or x.dtype != _dtypes.canonicalize_dtype(x.dtype) or x.dtype == _dtypes.float0:
     return jax.device_put(x, cpu_device)
-  key = (x.shape, x.dtype)
-  aval = _avals.get(key)
-  if aval is None:
-    aval = _avals[key] = _core.ShapedArray(x.shape, x.dtype)
-  return _xc.batched_device_put(aval, sharding, [x], [cpu_device], True)
+  return _xc.batched_device_put(_aval(x.shape, x.dtype), _single_device_sharding(cpu_device), [x], [cpu_device],
+                                True)
 
 
 def fast_io_callback_impl(*args, result_avals, callback, sharding, ordered):
@@ -65,8 +65,7 @@ def fast_io_callback_impl(*args, result_avals, callback, sharding, ordered):
     raise RuntimeError(
         "jax.io_callback failed to find a local CPU device to place the inputs on. Make sure \"cpu\" is listed "
         "in --jax_platforms or the JAX_PLATFORMS environment variable.") from e
-  on_cpu = SingleDeviceSharding(cpu_device)
-  args = tuple(_on_cpu(x, cpu_device, on_cpu) for x in args)
+  args = tuple(_on_cpu(x, cpu_device) for x in args)
   with _config.default_device(cpu_device):
     try:
       return _tree_util.tree_map(np.asarray, callback(*args))
@@ -80,7 +79,7 @@ def original_source_sha256() -> str:
 
 
 def why_not_installable() -> str | None:
-  """None if ``install()`` can replace the original; else the reason it leaves jax untouched."""
+  """None if ``enable()`` can replace the original; else the reason it leaves jax untouched."""
   if jax.__version__ != JAX_VERSION:
     return f"jax {jax.__version__} is not {JAX_VERSION}, the version the replacement was written against"
   if original_source_sha256() != ORIGINAL_SOURCE_SHA256:
@@ -89,9 +88,15 @@ def why_not_installable() -> str | None:
 
 
 def install() -> bool:
-  """Replaces ``io_callback_impl`` (see module); returns whether it did. Idempotent."""
-  if os.environ.get("M3JAX_TEST_FAST_INTERPRET", "1") == "0":
+  """``enable()`` on CPU runs (``JAX_PLATFORMS=cpu``) unless ``M3JAX_TEST_FAST_INTERPRET=0``; returns whether it
+  did. What conftest and the script subprocesses' sitecustomize call."""
+  if os.environ.get("JAX_PLATFORMS") != "cpu" or os.environ.get("M3JAX_TEST_FAST_INTERPRET", "1") == "0":
     return False
+  return enable()
+
+
+def enable() -> bool:
+  """Replaces ``io_callback_impl`` (see module); returns whether it did. Idempotent."""
   reason = why_not_installable()
   if reason is not None:
     warnings.warn(f"interpret-mode callbacks keep jax's own io_callback_impl: {reason}", stacklevel=2)

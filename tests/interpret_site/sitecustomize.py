@@ -2,12 +2,10 @@
 tests' faster host side for interpret mode's callbacks (tests/fast_interpret_callbacks.py). Python imports this
 module at start-up because ``run_script`` puts this directory on PYTHONPATH; nothing else does."""
 
-import os
 import pathlib
 import sys
 
-if os.environ.get("JAX_PLATFORMS") == "cpu" and os.environ.get("M3JAX_TEST_FAST_INTERPRET", "1") != "0":
-  sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
-  import fast_interpret_callbacks  # pylint: disable=g-import-not-at-top
+sys.path.append(str(pathlib.Path(__file__).resolve().parent.parent))
+import fast_interpret_callbacks  # noqa: E402  pylint: disable=g-import-not-at-top
 
-  fast_interpret_callbacks.install()
+fast_interpret_callbacks.install()  # on CPU, unless M3JAX_TEST_FAST_INTERPRET=0

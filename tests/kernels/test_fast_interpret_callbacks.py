@@ -27,11 +27,10 @@ def _both_ways(fn) -> tuple[np.ndarray, np.ndarray]:
   try:
     fast.uninstall()
     original = np.asarray(jax.block_until_ready(fn()))
-    fast.install()
-    assert fast.installed()
+    assert fast.enable()
     replaced = np.asarray(jax.block_until_ready(fn()))
   finally:
-    (fast.install if was_installed else fast.uninstall)()
+    (fast.enable if was_installed else fast.uninstall)()
   return original, replaced
 
 
