@@ -35,7 +35,7 @@ import numpy as np
 from bench_common import gpu_ms
 from m3jax.research import selection_locality
 from pallas_kernels.attention import (
-    SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
+    KvMajorBlockSizes, SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
 from pallas_kernels.indexer import IndexerBlockSizes, index_block_scores_reference, indexer_topk
@@ -139,12 +139,12 @@ def window_shared_selections(s, replaced, *, window=64, groups=NKV, topk=TOPK, s
 
 
 @guarded
-def locality_sweep(s, with_ref, default_variant):
+def locality_sweep(s, with_ref, variants):
   """Sparse prefill on window_shared_selections for a range of overlaps: kernel rate against the 4- and
   8-query unions (the XLA check on one of them)."""
   for replaced in (0, 1, 2, 4, 7, TOPK - 2):
     ids = window_shared_selections(s, replaced)
-    sparse_prefill_on(ids, f"window-shared, {replaced} private", with_ref and replaced == 2, [default_variant])
+    sparse_prefill_on(ids, f"window-shared, {replaced} private", with_ref and replaced == 2, variants)
 
 
 @guarded
@@ -255,6 +255,21 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
     err = rel_err(out, ref) if ref is not None else None
     record("sparse_prefill", S=s, selection=sel, union_q4=union_q4, variant=name, ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
+    if isinstance(bs, KvMajorBlockSizes) and not INTERPRET:
+      kernel_breakdown(fn, (q, k, v, ids, pos), s, sel, name)
+
+
+def kernel_breakdown(fn, args, s, sel, name):
+  """GPU time per launch of one call (plan sort, kernel, merge...), biggest first."""
+  try:
+    from jax.experimental.mosaic.gpu import profiler
+    _, per_kernel = profiler.measure(fn, aggregate=False)(*args)
+  except Exception as e:  # noqa: BLE001 - a diagnostic only
+    record("kernel_breakdown", S=s, selection=sel, variant=name, error=f"{type(e).__name__}: {str(e)[:200]}")
+    return
+  top = sorted(per_kernel, key=lambda nt: -nt[1])[:8]
+  record("kernel_breakdown", S=s, selection=sel, variant=name, launches=len(per_kernel),
+         kernels=[(n[:60], round(t, 3)) for n, t in top])
 
 
 @guarded
@@ -354,7 +369,7 @@ def table() -> str:
       lines.append(f"| kv_major_floor | S={r['S']} | {r['partial_GB']} GB of bf16 partials: write + merge | "
                    f"{r['write_ms']} + {r['merge_ms']} = {r['floor_ms']} ms | {r['write_GBs']} / {r['merge_GBs']} GB/s | "
                    f"{r['rel_err']} |")
-    elif r["section"] in ("decode_kernels", "decode_check", "sparse_union"):
+    elif r["section"] in ("decode_kernels", "decode_check", "sparse_union", "kernel_breakdown"):
       continue
     else:
       case = f"S={r['S']}" + (f" {r['selection']}" if "selection" in r else "")
@@ -394,8 +409,10 @@ def main():
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),
       ("Q=1 stages=1", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=1)),
   ]
+  kv_major = [(f"KV-major, {c} chunks per CTA", KvMajorBlockSizes(chunks_per_item=c)) for c in (8, 4, 16)]
   if INTERPRET:  # the one-warpgroup kernel, as the heuristic picks when interpreting (see its docstring)
     variants = [v for v in variants if v[1].compute_wgs == 1][:1]
+    kv_major = kv_major[:1]
   sections = set(args.sections.split(","))
   for s in sizes:
     with_ref = s <= 40000 or not args.quick
@@ -403,16 +420,16 @@ def main():
       indexer_prefill(s, with_ref)
     if "sparse" in sections:
       few = variants[:3] if args.quick else variants
-      sparse_prefill(s, False, with_ref, variants[:3] if s > 40000 else few)
-      sparse_prefill(s, True, False, few if args.quick or INTERPRET else variants[:3] + variants[4:])
+      sparse_prefill(s, False, with_ref, (variants[:3] if s > 40000 else few) + kv_major)
+      sparse_prefill(s, True, False, (few if args.quick or INTERPRET else variants[:3] + variants[4:]) + kv_major)
     if "locality" in sections:
-      locality_sweep(s, with_ref, variants[0])
+      locality_sweep(s, with_ref, [variants[0], kv_major[0]])
     if "kvmajor" in sections:
       kv_major_floor(s)
     if "dense" in sections and (s <= 40000 or not args.quick):
       dense_prefill(s, s <= 40000)
   for name, ids in saved.items():
-    sparse_prefill_on(ids, f"saved {name}", True, variants[:3])
+    sparse_prefill_on(ids, f"saved {name}", True, variants[:3] + kv_major[:1])
   for case in filter(None, args.decode.split(",") if "decode" in sections else []):
     b, s = map(int, case.split("x"))
     decode(b, s, bw)

@@ -20,11 +20,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, SparseAttentionBlockSizes
+from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
+from pallas_kernels.attention.config import SparseAttentionBlockSizes
 from pallas_kernels.attention.config import heuristic_block_sizes, one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
+from pallas_kernels.attention.kernel_sm90_kv_major import kv_major_attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
+from pallas_kernels.attention.plan_kv_major import kv_major_plan
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -149,6 +152,38 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
 
+def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array:
+  """o [B, Sq, G, T, hpg, D], lse fp32 [B, Sq, G, T, hpg] (base 2), valid bool [B, Sq, G, T] ->
+  [B, Sq, G * hpg, D] in o.dtype: each query's partial outputs weighted by softmax(lse) over its written
+  slots (unwritten slots hold garbage and are dropped, not multiplied by 0); no slot -> zeros."""
+  b, sq, g, t, hpg, d = o.shape
+  lse = jnp.where(valid[..., None], lse, -jnp.inf)
+  top = lse.max(3, keepdims=True)
+  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
+  total = weight.sum(3)
+  parts = jnp.where(valid[..., None, None], o.astype(jnp.float32), 0.0)
+  out = (weight[..., None] * parts).sum(3) / jnp.where(total > 0, total, 1.0)[..., None]
+  return out.astype(o.dtype).reshape(b, sq, g * hpg, d)
+
+
+def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
+  """KV-major kernel: heads padded to a multiple of 8 and keys to whole blocks, plan, kernel, merge, unpad."""
+  b, sq, nq, d = q.shape
+  nkv = k.shape[2]
+  hpg = _kernel_heads_per_group(nq // nkv)
+  plan = kv_major_plan(block_ids.astype(jnp.int32), q_positions.astype(jnp.int32), num_keys=k.shape[1],
+                       heads_per_group=hpg, chunks_per_item=block_sizes.chunks_per_item)
+  kp, vp = _pad_keys(k, v)
+  o, lse = kv_major_attention_pallas(
+      _pad_heads(q, nkv, hpg), kp, vp, plan, scale=scale, block_sizes=block_sizes,
+      interpret=_interpret_params(interpret),
+  )
+  o = _merge_kv_major(o, lse, plan.valid)
+  if hpg * nkv == nq:
+    return o
+  return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
+
+
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))
 def sparse_attention(
     q: jax.Array,
@@ -161,7 +196,7 @@ def sparse_attention(
     scale: float,
     chunk_size: int = 256,
     interpret: Any = False,
-    block_sizes: SparseAttentionBlockSizes | None = None,
+    block_sizes: SparseAttentionBlockSizes | KvMajorBlockSizes | None = None,
 ) -> jax.Array:
   """Block-sparse GQA attention (M3 "MSA" attend step), Mosaic GPU kernel.
 
@@ -173,7 +208,8 @@ def sparse_attention(
     block_size: keys per block (128 only). scale: softmax scale.
     chunk_size: accepted for signature parity with the reference (no memory knob here).
     interpret: True (or plgpu.InterpretGPUParams) to run the kernel on CPU in GPU interpret mode.
-    block_sizes: optional SparseAttentionBlockSizes; default from heuristic_block_sizes.
+    block_sizes: optional SparseAttentionBlockSizes (query-major kernels); default from
+      heuristic_block_sizes. KvMajorBlockSizes runs the KV-major kernel (kernel_sm90_kv_major.py) instead.
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
@@ -185,6 +221,8 @@ def sparse_attention(
     raise ValueError(f"block_ids must be [B={b}, Sq={sq}, Nkv={k.shape[2]}, T], got {block_ids.shape}")
   if block_size != KEY_BLOCK:
     raise NotImplementedError(f"sparse attention kernel supports block_size={KEY_BLOCK} only, got {block_size}")
+  if isinstance(block_sizes, KvMajorBlockSizes):
+    return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=block_sizes, interpret=interpret)
   hpg = _kernel_heads_per_group(q.shape[2] // k.shape[2])
   topk = block_ids.shape[3]
 

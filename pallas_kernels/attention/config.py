@@ -101,3 +101,24 @@ def heuristic_block_sizes(
     return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=1, num_splits=1)
   splits = max(1, min(-(-2 * num_sms // ctas), list_len))
   return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=3, num_splits=splits)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class KvMajorBlockSizes:
+  """Knobs of the KV-major sparse prefill (kernel_sm90_kv_major.py): the other loop order, for selections
+  that adjacent queries do not share.
+
+  A CTA owns one selected key block of one KV group and up to chunks_per_item chunks of the queries that
+  selected it; a chunk is 64 // heads_per_group queries (64 wgmma rows: 4 for M3), so every row of every
+  wgmma is a (query, block) pair that was selected, and each K/V block is loaded once per item instead of
+  once per query tile that touches it. The price: a partial output per (query, group, selected block),
+  written and merged with its log-sum-exp outside the kernel.
+
+  chunks_per_item: query chunks per CTA (K/V reuse inside the CTA).
+  """
+
+  chunks_per_item: int = 8
+
+  def __post_init__(self):
+    if not 1 <= self.chunks_per_item <= 64:
+      raise ValueError(f"chunks_per_item must be in [1, 64], got {self.chunks_per_item}")

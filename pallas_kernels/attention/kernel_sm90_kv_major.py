@@ -1,0 +1,188 @@
+"""KV-major block-sparse GQA attention for Hopper (Pallas Mosaic GPU, one warpgroup per CTA).
+
+One CTA owns a work item of plan_kv_major.py: one key block of one KV group and up to C chunks of the
+queries that selected it. It loads the block's K and V once, then for each chunk of Qc queries (the wgmma
+rows are Qc queries x the group's heads: 4 x 16 = 64 for M3), with the next chunk's queries loading
+meanwhile (two Q buffers):
+
+  S = Q_chunk[64, D] . K_blk[128, D]^T * scale                (wgmma, fp32)
+  S = where(key_slot <= row_limit, S, -inf)                   (token-causal; -1 rows are padding)
+  m = max_k S, P = exp2(S log2e - m), l = sum_k P             (base 2, fp32; one block, no rescaling)
+  O = P . V_blk / l                                           (wgmma, fp32; P in the input dtype)
+
+and stores O (input dtype) and lse = m + log2(l) (fp32) into the (query, group, slot) entry of the partial
+outputs. api.py merges each query's partials with their log-sum-exp. Every wgmma row belongs to a selected
+(query, block) pair, whatever the selections' overlap; the price is the partial outputs' traffic.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, KvMajorBlockSizes
+from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, smem_transforms
+from pallas_kernels.attention.plan_kv_major import (
+    ITEM_BATCH, ITEM_BLOCK, ITEM_COUNT, ITEM_GROUP, ITEM_START, KvMajorPlan, queries_per_chunk,
+)
+
+
+def _kv_major_kernel(
+    q_ref, k_ref, v_ref, items_ref, pair_query_ref, pair_slot_ref, chunk_limit_ref, o_ref, lse_ref,
+    k_smem, v_smem, q_smem, limit_smem, o_smem, lse_smem, p_smem, kv_barrier, q_barrier, *,
+    chunk_queries: int, heads_per_group: int, scale: float, head_dim: int,
+):
+  """Refs (gmem unless noted):
+
+  q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; items_ref int32 [N, 5]; pair_query_ref,
+  pair_slot_ref int32 [P]; chunk_limit_ref int32 [N, C, 64];
+  outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
+  scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem [64, D];
+  lse_smem fp32 [64]; p_smem [64, 128] (None: P stays in registers); kv_barrier (2 arrivals);
+  q_barrier (2 barriers of Qc + 1 arrivals).
+  """
+  item = lax.axis_index("item")
+  batch = items_ref[item, ITEM_BATCH]
+  group = items_ref[item, ITEM_GROUP]
+  block = items_ref[item, ITEM_BLOCK]
+  start = items_ref[item, ITEM_START]
+  count = items_ref[item, ITEM_COUNT]
+  heads = pl.ds(group * heads_per_group, heads_per_group)
+  num_chunks = lax.div(count + chunk_queries - 1, chunk_queries)
+
+  def load_chunk(chunk, stage):
+    for r in range(chunk_queries):  # rows past the item's pairs load its last query (their rows are masked)
+      pair = start + jnp.minimum(chunk * chunk_queries + r, count - 1)
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[batch, pair_query_ref[pair], heads],
+          q_smem.at[stage, pl.ds(r * heads_per_group, heads_per_group)],
+          q_barrier.at[stage],
+      )
+    plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_barrier.at[stage])
+
+  def chunk_body(chunk, carry):
+    stage = lax.rem(chunk, 2)
+
+    @pl.when(chunk + 1 < num_chunks)
+    def _prefetch():
+      load_chunk(chunk + 1, 1 - stage)
+
+    plgpu.barrier_wait(q_barrier.at[stage])
+
+    def qk_scope(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem.at[stage], k_smem.transpose((1, 0)))
+      return acc_ref[...]
+
+    s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
+    s = mask_invisible_keys(s, plgpu.load(limit_smem.at[stage], layout=ROW_LAYOUT), block)
+    c = scale * LOG2E
+    m = s.max(axis=1) * c
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l = p.sum(axis=1)
+    p16 = p.astype(v_smem.dtype)
+    if p_smem is not None:  # GPU interpret mode only takes wgmma's A operand from shared memory
+      p_smem[...] = p16
+      plgpu.commit_smem()
+
+    def pv_scope(pv_ref):
+      plgpu.wgmma(pv_ref, p16 if p_smem is None else p_smem, v_smem)
+      return pv_ref[...]
+
+    o = pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+    empty = l == 0.0
+    out = o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read o_smem
+    o_smem[...] = out.astype(o_smem.dtype)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
+    plgpu.commit_smem()
+    for r in range(chunk_queries):
+      index = chunk * chunk_queries + r
+
+      @pl.when(index < count)
+      def _store():
+        pair = start + index
+        rows = pl.ds(r * heads_per_group, heads_per_group)
+        dst = (batch, pair_query_ref[pair], group, pair_slot_ref[pair])
+        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[dst])
+        plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[dst])
+
+    return carry
+
+  @pl.when(count > 0)
+  def _work():
+    kv = pl.ds(block * KEY_BLOCK, KEY_BLOCK)
+    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv, group], k_smem, kv_barrier.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[batch, kv, group], v_smem, kv_barrier.at[0])
+    load_chunk(0, 0)
+    plgpu.barrier_wait(kv_barrier.at[0])
+    lax.fori_loop(0, num_chunks, chunk_body, 0)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def kv_major_attention_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    plan: KvMajorPlan,
+    *,
+    scale: float,
+    block_sizes: KvMajorBlockSizes,
+    interpret: Any = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Launches the kernel.
+
+  Args:
+    q: [B, Sq_pad, Nq, D] (heads per KV group a multiple of 8, <= 64); k, v: [B, Sk_pad, Nkv, D],
+      Sk_pad % 128 == 0.
+    plan: KvMajorPlan built for these shapes, heads per group and block_sizes.chunks_per_item.
+
+  Returns:
+    (o [B, Sq_pad, Nkv, T, hpg, D] in q.dtype, lse fp32 [B, Sq_pad, Nkv, T, hpg] base 2): entries of the
+    slots plan.valid marks; the others are left unwritten.
+  """
+  b, sq_pad, nq, d = q.shape
+  nkv = k.shape[2]
+  hpg = nq // nkv
+  t = plan.valid.shape[-1]
+  qc = queries_per_chunk(hpg)
+  n_items, chunks, rows = plan.chunk_limit.shape
+  if (hpg % 8 or hpg > ROWS_PER_TILE or k.shape[1] % KEY_BLOCK or rows != ROWS_PER_TILE
+      or chunks != block_sizes.chunks_per_item or plan.valid.shape != (b, sq_pad, nkv, t)):
+    raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {plan.chunk_limit.shape=}, {plan.valid.shape=}")
+  p_in_smem = bool(interpret)
+  kernel = functools.partial(
+      _kv_major_kernel, chunk_queries=qc, heads_per_group=hpg, scale=scale, head_dim=d,
+  )
+  tiled = dict(transforms=smem_transforms(q.dtype))
+  scratch = [
+      plgpu.SMEM((KEY_BLOCK, d), k.dtype, **tiled),
+      plgpu.SMEM((KEY_BLOCK, d), v.dtype, **tiled),
+      plgpu.SMEM((2, ROWS_PER_TILE, d), q.dtype, **tiled),
+      plgpu.SMEM((2, ROWS_PER_TILE), jnp.int32),
+      plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, **tiled),
+      plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
+      plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
+      plgpu.Barrier(num_arrivals=2, num_barriers=1),
+      plgpu.Barrier(num_arrivals=qc + 1, num_barriers=2),
+  ]
+  o, lse = plgpu.kernel(
+      kernel,
+      out_type=[
+          jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg, d), q.dtype),
+          jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg), jnp.float32),
+      ],
+      grid=(n_items,),
+      grid_names=("item",),
+      scratch_types=scratch,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+      kernel_name=f"m3_attention_kv_major_c{chunks}",
+  )(q, k, v, plan.items, plan.pair_query, plan.pair_slot, plan.chunk_limit)
+  return o, lse

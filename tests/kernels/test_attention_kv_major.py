@@ -1,0 +1,109 @@
+"""The KV-major sparse attention kernel (kernel_sm90_kv_major.py, selected by KvMajorBlockSizes) and its plan.
+
+Same references and tolerances as test_attention_kernels.py; the cases stress what is specific to this loop
+order: runs of one block's users longer than a work item (split over several CTAs), items that end mid-chunk,
+repeated / out-of-range / -1 ids (slots that must not reach the merge), padding queries, and heads per group
+that are not a multiple of 8 (zero heads pad each group).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import KvMajorBlockSizes, sparse_attention, sparse_attention_reference
+from pallas_kernels.attention.plan_kv_major import (
+    ITEM_BATCH, ITEM_BLOCK, ITEM_COUNT, ITEM_GROUP, ITEM_START, kv_major_plan, usable_slots,
+)
+import kernel_modes
+from test_attention_kernels import _assert_close, _qkv, _selection
+
+MODES = kernel_modes.MODES
+
+
+def _run(mode, q, k, v, ids, positions, chunks_per_item):
+  kw = dict(block_size=128, scale=q.shape[-1] ** -0.5)
+  got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"),
+                         block_sizes=KvMajorBlockSizes(chunks_per_item=chunks_per_item), **kw)
+  ref = sparse_attention_reference(q, k, v, ids, positions, **kw)
+  _assert_close(got, ref, q.dtype)
+  return np.asarray(got, np.float32)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_m3_group_chunked_prefill(mode, dtype):
+  """16 heads per KV group (4 queries per wgmma tile), D = 128, two sequences at offsets crossing a block
+  boundary, indexer selections; 1 chunk per item, so a block's users span several CTAs."""
+  positions = jnp.array([[300 + i for i in range(8)], [124 + i for i in range(8)]], jnp.int32)
+  q, k, v = _qkv(2, 8, 32, 2, 128, 310, dtype)
+  ids = _selection(2, 8, 2, 310, positions, topk=2)
+  _run(mode, q, k, v, ids, positions, chunks_per_item=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_long_runs_ragged_items_and_bad_ids(mode):
+  """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
+  2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
+  ignored, as in the reference); 8 heads per group (8 queries per tile); a padding query (position -1)."""
+  rng = np.random.default_rng(3)
+  pos = np.sort(rng.choice(np.arange(130, 600), 40, replace=False)).astype(np.int32)
+  pos[7] = -1
+  ids = np.full((1, 40, 2, 4), -1, np.int32)
+  ids[0, :, :, 0] = 0
+  own = np.maximum(pos, 0) // 128
+  ids[0, :, 0, 1] = own
+  ids[0, :, 1, 1] = np.where(own > 1, 1, own)
+  ids[0, ::3, 0, 2] = 0  # repeats slot 0
+  ids[0, 1::3, 1, 3] = 9  # past the 5 key blocks
+  q, k, v = _qkv(1, 40, 16, 2, 64, 600, jnp.bfloat16, seed=4)
+  got = _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=2)
+  assert (got[0, 7] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("nq,nkv", [(8, 2), (24, 2)], ids=["4_per_group", "12_per_group"])
+def test_heads_per_group_not_a_multiple_of_8(mode, nq, nkv):
+  positions = jnp.array([[5, 130, 299, 300]], jnp.int32)
+  q, k, v = _qkv(1, 4, nq, nkv, 64, 301, jnp.bfloat16, seed=2)
+  ids = _selection(1, 4, nkv, 301, positions, topk=2)
+  _run(mode, q, k, v, ids, positions, chunks_per_item=4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_short_sequence_and_rows_without_selections(mode):
+  """A 20-token prefill (one partial block) and a row whose slots are all -1: zeros, like the reference."""
+  positions = jnp.arange(20, dtype=jnp.int32)[None]
+  q, k, v = _qkv(1, 20, 16, 2, 64, 20, jnp.bfloat16, seed=6)
+  ids = jnp.zeros((1, 20, 2, 2), jnp.int32).at[:, :, :, 1].set(-1).at[0, 5].set(-1)
+  got = _run(mode, q, k, v, ids, positions, chunks_per_item=8)
+  assert (got[0, 5] == 0).all()
+
+
+def test_plan_covers_every_pair_once():
+  """Every usable (query, group, slot) is in exactly one item, of the item's batch / group / block; items
+  hold at most chunks_per_item x Qc pairs, queries ascending; the rest of the items are empty."""
+  rng = np.random.default_rng(0)
+  b, sq, g, t, sk = 2, 50, 3, 5, 900
+  ids = rng.integers(-1, 9, (b, sq, g, t)).astype(np.int32)
+  pos = rng.integers(-1, 900, (b, sq)).astype(np.int32)
+  plan = jax.tree.map(np.asarray, kv_major_plan(jnp.asarray(ids), jnp.asarray(pos), num_keys=sk,
+                                                heads_per_group=16, chunks_per_item=2))
+  valid = np.asarray(usable_slots(jnp.asarray(ids), jnp.asarray(pos), sk))
+  seen = np.zeros_like(valid, np.int32)
+  items = plan.items
+  assert (items[:, ITEM_COUNT] <= 8).all() and items[:, ITEM_COUNT].sum() == valid.sum()
+  for n in np.flatnonzero(items[:, ITEM_COUNT] > 0):
+    it = items[n]
+    sl = slice(it[ITEM_START], it[ITEM_START] + it[ITEM_COUNT])
+    queries, slots = plan.pair_query[sl], plan.pair_slot[sl]
+    assert (np.diff(queries) > 0).all()
+    assert (ids[it[ITEM_BATCH], queries, it[ITEM_GROUP], slots] == it[ITEM_BLOCK]).all()
+    np.add.at(seen, (it[ITEM_BATCH], queries, it[ITEM_GROUP], slots), 1)
+    limits = plan.chunk_limit[n].reshape(-1, 16)  # [C * Qc queries, 16 rows each]
+    want = np.minimum(pos[it[ITEM_BATCH], queries], sk - 1)
+    assert (limits[: len(queries)] == want[:, None]).all() and (limits[len(queries):] == -1).all()
+  np.testing.assert_array_equal(seen, valid.astype(np.int32))
+  np.testing.assert_array_equal(plan.valid, valid)
