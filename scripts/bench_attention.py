@@ -409,7 +409,8 @@ def main():
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),
       ("Q=1 stages=1", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=1)),
   ]
-  kv_major = [(f"KV-major, {c} chunks per CTA", KvMajorBlockSizes(chunks_per_item=c)) for c in (8, 4, 16)]
+  kv_major = [(f"KV-major, {c} chunks per CTA{', output in the Q buffer' if oq else ''}",
+               KvMajorBlockSizes(chunks_per_item=c, out_in_q_buffer=oq)) for c, oq in ((8, False), (8, True), (16, False))]
   if INTERPRET:  # the one-warpgroup kernel, as the heuristic picks when interpreting (see its docstring)
     variants = [v for v in variants if v[1].compute_wgs == 1][:1]
     kv_major = kv_major[:1]

@@ -115,9 +115,13 @@ class KvMajorBlockSizes:
   written and merged with its log-sum-exp outside the kernel.
 
   chunks_per_item: query chunks per CTA (K/V reuse inside the CTA).
+  out_in_q_buffer: write each chunk's output into its own query buffer (96 KB of shared memory per CTA
+    instead of 112 KB, so two CTAs fit an SM with room to spare) at the cost of waiting, before each
+    prefetch, for the previous chunk's stores out of that buffer.
   """
 
   chunks_per_item: int = 8
+  out_in_q_buffer: bool = False
 
   def __post_init__(self):
     if not 1 <= self.chunks_per_item <= 64:

@@ -43,9 +43,10 @@ def _kv_major_kernel(
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; items_ref int32 [N, 5]; pair_query_ref,
   pair_slot_ref int32 [P]; chunk_limit_ref int32 [N, C, 64];
   outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
-  scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem [64, D];
-  lse_smem fp32 [64]; p_smem [64, 128] (None: P stays in registers); kv_barrier (2 arrivals);
-  q_barrier (2 barriers of Qc + 1 arrivals).
+  scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem [64, D]
+  (None: a chunk's output goes to its own Q buffer, 16 KB less shared memory per CTA, and the prefetch
+  into a buffer first waits for the stores out of it); lse_smem fp32 [64]; p_smem [64, 128] (None: P stays
+  in registers); kv_barrier (2 arrivals); q_barrier (2 barriers of Qc + 1 arrivals).
   """
   item = lax.axis_index("item")
   batch = items_ref[item, ITEM_BATCH]
@@ -71,6 +72,8 @@ def _kv_major_kernel(
 
     @pl.when(chunk + 1 < num_chunks)
     def _prefetch():
+      if o_smem is None:  # the previous chunk's output, in the buffer about to be refilled, has been read
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_chunk(chunk + 1, 1 - stage)
 
     plgpu.barrier_wait(q_barrier.at[stage])
@@ -98,8 +101,9 @@ def _kv_major_kernel(
     o = pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
     empty = l == 0.0
     out = o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read o_smem
-    o_smem[...] = out.astype(o_smem.dtype)
+    out_smem = q_smem.at[stage] if o_smem is None else o_smem
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read o / lse smem
+    out_smem[...] = out.astype(out_smem.dtype)
     lse_smem[...] = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
     plgpu.commit_smem()
     for r in range(chunk_queries):
@@ -110,7 +114,7 @@ def _kv_major_kernel(
         pair = start + index
         rows = pl.ds(r * heads_per_group, heads_per_group)
         dst = (batch, pair_query_ref[pair], group, pair_slot_ref[pair])
-        plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[dst])
+        plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[dst])
         plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[dst])
 
     return carry
@@ -166,7 +170,7 @@ def kv_major_attention_pallas(
       plgpu.SMEM((KEY_BLOCK, d), v.dtype, **tiled),
       plgpu.SMEM((2, ROWS_PER_TILE, d), q.dtype, **tiled),
       plgpu.SMEM((2, ROWS_PER_TILE), jnp.int32),
-      plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, **tiled),
+      None if block_sizes.out_in_q_buffer else plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, **tiled),
       plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
       plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -183,6 +187,6 @@ def kv_major_attention_pallas(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-      kernel_name=f"m3_attention_kv_major_c{chunks}",
+      kernel_name=f"m3_attention_kv_major_c{chunks}{'_oq' if block_sizes.out_in_q_buffer else ''}",
   )(q, k, v, plan.items, plan.pair_query, plan.pair_slot, plan.chunk_limit)
   return o, lse

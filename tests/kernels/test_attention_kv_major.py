@@ -23,10 +23,10 @@ from test_attention_kernels import _assert_close, _qkv, _selection
 MODES = kernel_modes.MODES
 
 
-def _run(mode, q, k, v, ids, positions, chunks_per_item):
+def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=False):
   kw = dict(block_size=128, scale=q.shape[-1] ** -0.5)
-  got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"),
-                         block_sizes=KvMajorBlockSizes(chunks_per_item=chunks_per_item), **kw)
+  blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, out_in_q_buffer=out_in_q_buffer)
+  got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"), block_sizes=blocks, **kw)
   ref = sparse_attention_reference(q, k, v, ids, positions, **kw)
   _assert_close(got, ref, q.dtype)
   return np.asarray(got, np.float32)
@@ -44,10 +44,12 @@ def test_m3_group_chunked_prefill(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_long_runs_ragged_items_and_bad_ids(mode):
+@pytest.mark.parametrize("out_in_q_buffer", [False, True], ids=["out_buffer", "out_in_q_buffer"])
+def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer):
   """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
   2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
-  ignored, as in the reference); 8 heads per group (8 queries per tile); a padding query (position -1)."""
+  ignored, as in the reference); 8 heads per group (8 queries per tile); a padding query (position -1).
+  Both output buffers: a separate one, and each chunk's own query buffer."""
   rng = np.random.default_rng(3)
   pos = np.sort(rng.choice(np.arange(130, 600), 40, replace=False)).astype(np.int32)
   pos[7] = -1
@@ -59,7 +61,8 @@ def test_long_runs_ragged_items_and_bad_ids(mode):
   ids[0, ::3, 0, 2] = 0  # repeats slot 0
   ids[0, 1::3, 1, 3] = 9  # past the 5 key blocks
   q, k, v = _qkv(1, 40, 16, 2, 64, 600, jnp.bfloat16, seed=4)
-  got = _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=2)
+  got = _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=2,
+             out_in_q_buffer=out_in_q_buffer)
   assert (got[0, 7] == 0).all()
 
 
