@@ -255,7 +255,7 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
     err = rel_err(out, ref) if ref is not None else None
     record("sparse_prefill", S=s, selection=sel, union_q4=union_q4, variant=name, ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
-    if isinstance(bs, KvMajorBlockSizes) and not INTERPRET:
+    if (bs is None or isinstance(bs, KvMajorBlockSizes)) and not INTERPRET:  # which kernels ran, and their time
       kernel_breakdown(fn, (q, k, v, ids, pos), s, sel, name)
 
 
@@ -399,7 +399,9 @@ def main():
   print(jax.devices(), flush=True)
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
-  variants = [  # the first is the prefill default (heuristic_block_sizes)
+  variants = [  # the first is the default (the next one or KV-major, by prefers_kv_major), the second the
+      # query-major prefill default (heuristic_block_sizes)
+      ("default (query-major Q=8 or KV-major, chosen on the device)", None),
       ("Q=8 2 compute WGs stages=2, no ping-pong",
        SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")),
       ("Q=8 2 WGs, ping-pong on every entry",
@@ -410,9 +412,9 @@ def main():
       ("Q=1 stages=1", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=1)),
   ]
   kv_major = [(f"KV-major, {c} chunks per CTA{', output in the Q buffer' if oq else ''}",
-               KvMajorBlockSizes(chunks_per_item=c, out_in_q_buffer=oq)) for c, oq in ((8, False), (8, True), (16, False))]
+               KvMajorBlockSizes(chunks_per_item=c, out_in_q_buffer=oq)) for c, oq in ((8, True), (8, False), (16, True))]
   if INTERPRET:  # the one-warpgroup kernel, as the heuristic picks when interpreting (see its docstring)
-    variants = [v for v in variants if v[1].compute_wgs == 1][:1]
+    variants = [v for v in variants if v[1] is not None and v[1].compute_wgs == 1][:1]
     kv_major = kv_major[:1]
   sections = set(args.sections.split(","))
   for s in sizes:
@@ -420,17 +422,17 @@ def main():
     if "indexer" in sections:
       indexer_prefill(s, with_ref)
     if "sparse" in sections:
-      few = variants[:3] if args.quick else variants
-      sparse_prefill(s, False, with_ref, (variants[:3] if s > 40000 else few) + kv_major)
-      sparse_prefill(s, True, False, (few if args.quick or INTERPRET else variants[:3] + variants[4:]) + kv_major)
+      few = variants[:4] if args.quick else variants
+      sparse_prefill(s, False, with_ref, (variants[:4] if s > 40000 else few) + kv_major)
+      sparse_prefill(s, True, False, (few if args.quick or INTERPRET else variants[:4] + variants[5:]) + kv_major)
     if "locality" in sections:
-      locality_sweep(s, with_ref, [variants[0], kv_major[0]])
+      locality_sweep(s, with_ref, [variants[0], variants[1], kv_major[0]][:1 if INTERPRET else 3])
     if "kvmajor" in sections:
       kv_major_floor(s)
     if "dense" in sections and (s <= 40000 or not args.quick):
       dense_prefill(s, s <= 40000)
   for name, ids in saved.items():
-    sparse_prefill_on(ids, f"saved {name}", True, variants[:3] + kv_major[:1])
+    sparse_prefill_on(ids, f"saved {name}", True, variants[:4] + kv_major[:1])
   for case in filter(None, args.decode.split(",") if "decode" in sections else []):
     b, s = map(int, case.split("x"))
     decode(b, s, bw)

@@ -27,7 +27,7 @@ from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_kv_major import kv_major_attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
-from pallas_kernels.attention.plan_kv_major import kv_major_plan
+from pallas_kernels.attention.plan_kv_major import kv_major_plan, usable_slots
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -166,22 +166,88 @@ def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array
   return out.astype(o.dtype).reshape(b, sq, g * hpg, d)
 
 
+def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
+  """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8."""
+  hpg = q.shape[2] // k.shape[2]
+  plan = kv_major_plan(block_ids, q_positions, num_keys=k.shape[1], heads_per_group=hpg,
+                       chunks_per_item=block_sizes.chunks_per_item)
+  kp, vp = _pad_keys(k, v)
+  o, lse = kv_major_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
+                                     interpret=_interpret_params(interpret))
+  return _merge_kv_major(o, lse, plan.valid)
+
+
 def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
-  """KV-major kernel: heads padded to a multiple of 8 and keys to whole blocks, plan, kernel, merge, unpad."""
+  """KV-major kernel: heads padded to a multiple of 8, queries in passes of at most block_sizes.query_chunk
+  (over the batch; padding queries have position -1 and select nothing), unpadded."""
   b, sq, nq, d = q.shape
   nkv = k.shape[2]
   hpg = _kernel_heads_per_group(nq // nkv)
-  plan = kv_major_plan(block_ids.astype(jnp.int32), q_positions.astype(jnp.int32), num_keys=k.shape[1],
-                       heads_per_group=hpg, chunks_per_item=block_sizes.chunks_per_item)
-  kp, vp = _pad_keys(k, v)
-  o, lse = kv_major_attention_pallas(
-      _pad_heads(q, nkv, hpg), kp, vp, plan, scale=scale, block_sizes=block_sizes,
-      interpret=_interpret_params(interpret),
-  )
-  o = _merge_kv_major(o, lse, plan.valid)
+  qh = _pad_heads(q, nkv, hpg)
+  block_ids = block_ids.astype(jnp.int32)
+  q_positions = q_positions.astype(jnp.int32)
+  run = functools.partial(_kv_major_pass, k=k, v=v, scale=scale, block_sizes=block_sizes, interpret=interpret)
+  chunk = max(1, block_sizes.query_chunk // b)
+  if sq <= chunk:
+    o = run(qh, block_ids=block_ids, q_positions=q_positions)
+  else:
+    passes = -(-sq // chunk)
+    pad = passes * chunk - sq
+
+    def split(x, fill):
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+      return jnp.swapaxes(x.reshape(b, passes, chunk, *x.shape[2:]), 0, 1)
+
+    o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2]),
+                    (split(qh, 0), split(block_ids, -1), split(q_positions, -1)))
+    o = jnp.swapaxes(o, 0, 1).reshape(b, passes * chunk, *o.shape[3:])[:, :sq]
   if hpg * nkv == nq:
     return o
   return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
+
+
+# The query-major prefill kernel pays per K/V block load (one per entry of each 8-query tile's union list;
+# ~11-13 ns each on an H100, L2-bound), the KV-major one per selected (query, group, block) pair (~5.0 ns:
+# its Q gather, partial output and merge, HBM-bound). bench_attention.py, M3 dims, H100, 32K and 128K:
+# query-major 12.9 / 71.6 ms on random selections (loads / pairs 0.58 / 0.79), 7.8 / 37.7 ms on correlated
+# ones (0.30 / 0.37); KV-major 10.3 / 41.8 ms on both; the locality sweep crosses over at 7 private blocks
+# per query (0.43: 10.2 vs 10.3 ms).
+KV_MAJOR_LOAD_RATIO = 0.44
+
+
+def prefers_kv_major(list_count: jax.Array, pairs: jax.Array) -> jax.Array:
+  """bool scalar: the KV-major kernel is expected faster, i.e. the query-major plan's K/V block loads
+  (list_count summed: [B, tiles, G] union lengths of its tiles) exceed KV_MAJOR_LOAD_RATIO x the selected
+  (query, group, block) pairs."""
+  return jnp.sum(list_count, dtype=jnp.float32) > KV_MAJOR_LOAD_RATIO * jnp.sum(pairs, dtype=jnp.float32)
+
+
+def _sparse_prefill_either_order(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret=False):
+  """A prefill: the query-major warp-specialized kernel (block_sizes), or the KV-major kernel when
+  prefers_kv_major says so on these selections (decided on the device, lax.cond). sparse_attention uses it
+  compiled; tests call it with interpret=True."""
+  b, sq, nq, d = q.shape
+  nkv = k.shape[2]
+  hpg = _kernel_heads_per_group(nq // nkv)
+  block_sizes = _fit_block_sizes(block_sizes, hpg, d)
+  qpt = block_sizes.queries_per_tile
+  sq_pad = padded_query_count(sq, qpt)
+  ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
+  positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
+  plan = sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
+                     compute_wgs=block_sizes.compute_wgs)
+  pairs = usable_slots(block_ids.astype(jnp.int32), q_positions.astype(jnp.int32), k.shape[1])
+
+  def query_major(q, k, v, block_ids, q_positions):
+    del block_ids
+    return _run_kernel(q, k, v, q_positions, lambda *_: plan, 1, scale=scale, block_sizes=block_sizes,
+                       check_users=True, interpret=interpret)
+
+  def kv_major(q, k, v, block_ids, q_positions):
+    return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=KvMajorBlockSizes(),
+                         interpret=interpret)
+
+  return jax.lax.cond(prefers_kv_major(plan.count, pairs), kv_major, query_major, q, k, v, block_ids, q_positions)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))
@@ -208,8 +274,10 @@ def sparse_attention(
     block_size: keys per block (128 only). scale: softmax scale.
     chunk_size: accepted for signature parity with the reference (no memory knob here).
     interpret: True (or plgpu.InterpretGPUParams) to run the kernel on CPU in GPU interpret mode.
-    block_sizes: optional SparseAttentionBlockSizes (query-major kernels); default from
-      heuristic_block_sizes. KvMajorBlockSizes runs the KV-major kernel (kernel_sm90_kv_major.py) instead.
+    block_sizes: optional SparseAttentionBlockSizes (query-major kernels) or KvMajorBlockSizes (the KV-major
+      kernel, kernel_sm90_kv_major.py). None: heuristic_block_sizes; where that picks the warp-specialized
+      prefill kernel (compiled, many queries), the KV-major kernel runs instead on selections that
+      adjacent queries share too little (prefers_kv_major, decided on the device).
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
@@ -235,6 +303,10 @@ def sparse_attention(
   # kernel): its tiles' queries, topk blocks each.
   queries_per_tile = block_sizes.queries_per_tile if block_sizes else one_warpgroup_queries_per_tile(hpg, sq)
   list_len = min(topk * queries_per_tile, -(-k.shape[1] // KEY_BLOCK))
+  if block_sizes is None and not interpret:
+    chosen = heuristic_block_sizes(b, sq, k.shape[2], hpg, max(list_len, 1), warp_specialized=True, sparse=True)
+    if chosen.compute_wgs == 2:
+      return _sparse_prefill_either_order(q, k, v, block_ids, q_positions, scale=scale, block_sizes=chosen)
   return _run_kernel(
       q, k, v, q_positions, make_plan, max(list_len, 1), scale=scale, block_sizes=block_sizes,
       check_users=True, interpret=interpret,

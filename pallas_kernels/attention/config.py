@@ -116,13 +116,20 @@ class KvMajorBlockSizes:
 
   chunks_per_item: query chunks per CTA (K/V reuse inside the CTA).
   out_in_q_buffer: write each chunk's output into its own query buffer (96 KB of shared memory per CTA
-    instead of 112 KB, so two CTAs fit an SM with room to spare) at the cost of waiting, before each
-    prefetch, for the previous chunk's stores out of that buffer.
+    instead of 112 KB, so two CTAs fit an SM) at the cost of waiting, before each prefetch, for the previous
+    chunk's stores out of that buffer. Measured on an H100 (M3 dims, random selections): kernel 6.75 vs
+    9.85 ms at 32K, 27.8 vs 40.1 ms at 128K.
+  query_chunk: at most this many queries (over the batch) per pass: the partial outputs of a pass take
+    query_chunk x KV groups x T x heads per group x D x 2 B (8192 queries of M3: 2.1 GB); longer prefills
+    run in several passes.
   """
 
   chunks_per_item: int = 8
-  out_in_q_buffer: bool = False
+  out_in_q_buffer: bool = True
+  query_chunk: int = 8192
 
   def __post_init__(self):
     if not 1 <= self.chunks_per_item <= 64:
       raise ValueError(f"chunks_per_item must be in [1, 64], got {self.chunks_per_item}")
+    if self.query_chunk < 1:
+      raise ValueError(f"query_chunk must be >= 1, got {self.query_chunk}")

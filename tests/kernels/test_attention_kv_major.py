@@ -23,9 +23,10 @@ from test_attention_kernels import _assert_close, _qkv, _selection
 MODES = kernel_modes.MODES
 
 
-def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=False):
+def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=True, query_chunk=8192):
   kw = dict(block_size=128, scale=q.shape[-1] ** -0.5)
-  blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, out_in_q_buffer=out_in_q_buffer)
+  blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, out_in_q_buffer=out_in_q_buffer,
+                             query_chunk=query_chunk)
   got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"), block_sizes=blocks, **kw)
   ref = sparse_attention_reference(q, k, v, ids, positions, **kw)
   _assert_close(got, ref, q.dtype)
@@ -36,20 +37,23 @@ def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_m3_group_chunked_prefill(mode, dtype):
   """16 heads per KV group (4 queries per wgmma tile), D = 128, two sequences at offsets crossing a block
-  boundary, indexer selections; 1 chunk per item, so a block's users span several CTAs."""
+  boundary, indexer selections; 1 chunk per item, so a block's users span several CTAs; two passes of 4
+  queries per sequence (query_chunk=8 over the batch of 2)."""
   positions = jnp.array([[300 + i for i in range(8)], [124 + i for i in range(8)]], jnp.int32)
   q, k, v = _qkv(2, 8, 32, 2, 128, 310, dtype)
   ids = _selection(2, 8, 2, 310, positions, topk=2)
-  _run(mode, q, k, v, ids, positions, chunks_per_item=1)
+  _run(mode, q, k, v, ids, positions, chunks_per_item=1, query_chunk=8)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("out_in_q_buffer", [False, True], ids=["out_buffer", "out_in_q_buffer"])
-def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer):
+@pytest.mark.parametrize("out_in_q_buffer,query_chunk", [(False, 8192), (True, 16)],
+                         ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes"])
+def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer, query_chunk):
   """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
   2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
   ignored, as in the reference); 8 heads per group (8 queries per tile); a padding query (position -1).
-  Both output buffers: a separate one, and each chunk's own query buffer."""
+  Both output buffers (a separate one, each chunk's own query buffer); one pass, and 3 passes of <= 16
+  queries (the last one padded)."""
   rng = np.random.default_rng(3)
   pos = np.sort(rng.choice(np.arange(130, 600), 40, replace=False)).astype(np.int32)
   pos[7] = -1
@@ -62,7 +66,7 @@ def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer):
   ids[0, 1::3, 1, 3] = 9  # past the 5 key blocks
   q, k, v = _qkv(1, 40, 16, 2, 64, 600, jnp.bfloat16, seed=4)
   got = _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=2,
-             out_in_q_buffer=out_in_q_buffer)
+             out_in_q_buffer=out_in_q_buffer, query_chunk=query_chunk)
   assert (got[0, 7] == 0).all()
 
 
@@ -110,3 +114,59 @@ def test_plan_covers_every_pair_once():
     assert (limits[: len(queries)] == want[:, None]).all() and (limits[len(queries):] == -1).all()
   np.testing.assert_array_equal(seen, valid.astype(np.int32))
   np.testing.assert_array_equal(plan.valid, valid)
+
+
+def test_prefers_kv_major_compares_block_loads_with_pairs():
+  from pallas_kernels.attention.api import KV_MAJOR_LOAD_RATIO, prefers_kv_major
+
+  pairs = jnp.ones((1, 100, 2, 8), bool)  # 1600 selected pairs
+  assert not prefers_kv_major(jnp.full((1, 10, 2), 35), pairs)  # 700 loads: 0.4375 <= 0.44
+  assert prefers_kv_major(jnp.full((1, 10, 2), 36), pairs)  # 720 loads: 0.45
+  assert KV_MAJOR_LOAD_RATIO == 0.44
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_selections", "private_selections"])
+def test_either_loop_order_by_selection_overlap(shared):
+  """The compiled prefill's choice between the two kernels (run here in interpret mode): 16 queries at
+  positions 1030.. of a 1100-token cache (9 blocks), two 8-query tiles, 2 KV groups, top-2. Shared: every
+  query selects blocks 0 and 8 (a tile's union is 2 blocks: loads / pairs = 2 / 16, query-major); private:
+  query i selects blocks i % 8 and 8 (union 9: 9 / 16 > 0.44, KV-major). Both against the reference."""
+  from pallas_kernels.attention import SparseAttentionBlockSizes
+  from pallas_kernels.attention.api import _sparse_prefill_either_order, prefers_kv_major
+  from pallas_kernels.attention.plan import sparse_plan
+
+  positions = jnp.arange(1030, 1046, dtype=jnp.int32)[None]
+  first = np.zeros(16, np.int32) if shared else np.arange(16, dtype=np.int32) % 8
+  ids = np.stack([first, np.full(16, 8, np.int32)], -1)
+  ids = jnp.asarray(np.broadcast_to(ids[None, :, None, :], (1, 16, 2, 2)))
+  q, k, v = _qkv(1, 16, 32, 2, 64, 1100, jnp.bfloat16, seed=9)
+  plan = sparse_plan(ids, positions, num_keys=1100, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
+  assert bool(prefers_kv_major(plan.count, ids >= 0)) == (not shared)
+  blocks = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")
+  got = _sparse_prefill_either_order(q, k, v, ids, positions, scale=0.125, block_sizes=blocks, interpret=True)
+  ref = sparse_attention_reference(q, k, v, ids, positions, block_size=128, scale=0.125)
+  _assert_close(got, ref, jnp.bfloat16)
+
+
+@pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_selections", "private_selections"])
+def test_default_prefill_runs_either_kernel_gpu(shared):
+  """sparse_attention's default on a compiled prefill big enough for the warp-specialized kernel (1056
+  queries x 2 KV groups = 264 tiles): shared selections (blocks 0 and the query's own) stay query-major,
+  private ones (block (i * 5) % own + own block) go KV-major; both match the reference."""
+  from pallas_kernels.attention.api import prefers_kv_major
+  from pallas_kernels.attention.plan import sparse_plan
+
+  s = 1056
+  positions = jnp.arange(s, dtype=jnp.int32)[None]
+  own = np.arange(s) // 128
+  first = np.zeros(s, np.int64) if shared else (np.arange(s) * 5) % np.maximum(own, 1)
+  ids = np.stack([first, own], -1).astype(np.int32)
+  ids[own == 0, 0] = -1  # block 0 is the own block: one slot
+  ids = jnp.asarray(np.broadcast_to(ids[None, :, None, :], (1, s, 2, 2)))
+  plan = sparse_plan(ids, positions, num_keys=s, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
+  assert bool(prefers_kv_major(plan.count, ids >= 0)) == (not shared)
+  q, k, v = _qkv(1, s, 32, 2, 128, s, jnp.bfloat16, seed=11)
+  got = sparse_attention(q, k, v, ids, positions, block_size=128, scale=128 ** -0.5)
+  _assert_close(got, sparse_attention_reference(q, k, v, ids, positions, block_size=128, scale=128 ** -0.5),
+                jnp.bfloat16)
