@@ -246,11 +246,14 @@ def test_fp32_expert_operands_are_prepared_per_device_in_the_expert_layout():
 
 def test_sharded_steps_lower_to_mosaic_gpu_kernels_on_every_mesh():
   """The 8-GPU programs (real M3 dims, 4 layers) lowered for CUDA on 8 CPU devices: in a decode step and a
-  prefill every attention, indexer and MoE op runs its Mosaic GPU kernel inside shard_map on each mesh."""
+  prefill every attention, indexer and MoE op runs its Mosaic GPU kernel inside shard_map on each mesh. The
+  prefill (8 x 1000 tokens) is long enough for the warp-specialized sparse kernel, so its program also holds
+  the KV-major one, which it runs instead on selections adjacent queries do not share (prefers_kv_major)."""
   result = run_worker("cuda_lowering", *MESHES)
   for mesh in MESHES:
-    for step in ("decode", "prefill"):
-      assert result[mesh][step] == {"attention": 2, "indexer": 1, "moe": 2}, (mesh, step, result[mesh][step])
+    assert result[mesh]["decode"] == {"attention": 2, "indexer": 1, "moe": 2}, (mesh, result[mesh]["decode"])
+    assert result[mesh]["prefill"] == {"attention": 2, "attention_kv_major": 1, "indexer": 1, "moe": 2}, (
+        mesh, result[mesh]["prefill"])
 
 
 def test_per_device_parameter_bytes_match_the_plan():

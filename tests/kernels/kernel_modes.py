@@ -21,9 +21,9 @@ MODES = [
 
 
 def lowered_kernel_kinds(stablehlo_text: str) -> collections.Counter:
-  """Mosaic GPU kernel modules of a program lowered for CUDA, by kind (attention / indexer / moe); a module
-  called by several layers appears once."""
-  names = re.findall(r"m3_(attention|indexer)\w*?_mosaic|(moe)_grouped_\w*?_mosaic", stablehlo_text)
+  """Mosaic GPU kernel modules of a program lowered for CUDA, by kind (attention / attention_kv_major / indexer /
+  moe); a module called by several layers appears once."""
+  names = re.findall(r"m3_(attention_kv_major|attention|indexer)\w*?_mosaic|(moe)_grouped_\w*?_mosaic", stablehlo_text)
   return collections.Counter(a or b for a, b in names)
 
 

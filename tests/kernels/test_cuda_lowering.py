@@ -22,7 +22,7 @@ from m3jax.config import M3Config, m3_full
 from m3jax.model import M3ForCausalLM
 from m3jax.ops import dispatch
 from kernel_modes import lowered_step_kernels
-from pallas_kernels.attention import causal_attention, sparse_attention
+from pallas_kernels.attention import KvMajorBlockSizes, causal_attention, sparse_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.moe import moe_block, routed_experts
 
@@ -128,6 +128,23 @@ def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
           _positions(batch, new))
   _assert_mosaic(_lower_for_cuda(
       lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5), *args))
+
+
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("batch,new,cached", CALLS[:2])
+def test_kv_major_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
+  """The KV-major prefill kernel alone, and (full dims, 1000-token prefill: 500 warp-specialized tiles) inside
+  the default, beside the query-major kernel it is chosen against on the device."""
+  sk = cached + new
+  args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
+          _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32),
+          _positions(batch, new))
+  text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5,
+                                                     block_sizes=KvMajorBlockSizes()), *args)
+  assert "m3_attention_kv_major" in text
+  if dims is FULL and cached == 0:
+    text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5), *args)
+    assert "m3_attention_kv_major" in text and "m3_attention_ws" in text
 
 
 @pytest.mark.parametrize("dims", DIMS)
