@@ -1,8 +1,11 @@
 """Public attention ops: block-sparse GQA (`sparse_attention`) and dense causal GQA (`causal_attention`).
 
 Same signatures and semantics as reference.py (plus `interpret` and tuning arguments). Both run the
-block-list kernel of kernel_sm90.py; causal_attention first tries cuDNN's fused attention when the
-queries are a plain prefill (Sq == Sk and q_positions == arange, checked at run time with lax.cond).
+query-major block-list kernels (kernel_sm90.py, kernel_sm90_ws.py); causal_attention first tries cuDNN's fused
+attention when the queries are a plain prefill (Sq == Sk and q_positions == arange, checked at run time with
+lax.cond). sparse_attention's compiled prefill also holds the KV-major kernel (kernel_sm90_kv_major.py) and
+runs it instead when the selections are shared too little between adjacent queries (prefers_kv_major,
+lax.cond on the device).
 
 dtypes: bf16/f16 (fp32 softmax and accumulation, P rounded to the input dtype before P.V, like the
 reference). Other dtypes, block_size != 128, head dim not in {64, 128} or more than 64 heads per KV group
