@@ -155,6 +155,18 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
 
+def _sparse_plan_builder(block_ids, num_keys):
+  """make_plan for _run_kernel from block_ids [B, Sq, G, T]: the ids padded with -1 to the padded query count."""
+
+  def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
+    pad = [(0, 0), (0, sq_pad - block_ids.shape[1]), (0, 0), (0, 0)]
+    ids = jnp.pad(block_ids.astype(jnp.int32), pad, constant_values=-1)
+    return sparse_plan(ids, positions, num_keys=num_keys, queries_per_tile=qpt, heads_per_group=heads_per_group,
+                       compute_wgs=wgs)
+
+  return make_plan
+
+
 def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array:
   """o [B, Sq, G, T, hpg, D], lse fp32 [B, Sq, G, T, hpg] (base 2), valid bool [B, Sq, G, T] ->
   [B, Sq, G * hpg, D] in o.dtype: each query's partial outputs weighted by softmax(lse) over its written
@@ -235,10 +247,8 @@ def _sparse_prefill_either_order(q, k, v, block_ids, q_positions, *, scale, bloc
   block_sizes = _fit_block_sizes(block_sizes, hpg, d)
   qpt = block_sizes.queries_per_tile
   sq_pad = padded_query_count(sq, qpt)
-  ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
-  plan = sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
-                     compute_wgs=block_sizes.compute_wgs)
+  plan = _sparse_plan_builder(block_ids, k.shape[1])(positions, sq_pad, qpt, block_sizes.compute_wgs, hpg)
   pairs = usable_slots(block_ids.astype(jnp.int32), q_positions.astype(jnp.int32), k.shape[1])
 
   def query_major(q, k, v, block_ids, q_positions):
@@ -297,11 +307,7 @@ def sparse_attention(
   hpg = _kernel_heads_per_group(q.shape[2] // k.shape[2])
   topk = block_ids.shape[3]
 
-  def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
-    ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
-    return sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=heads_per_group,
-                       compute_wgs=wgs)
-
+  make_plan = _sparse_plan_builder(block_ids, k.shape[1])
   # Longest block list of a tile, for the heuristic's split count (splits only run on the one-warpgroup
   # kernel): its tiles' queries, topk blocks each.
   queries_per_tile = block_sizes.queries_per_tile if block_sizes else one_warpgroup_queries_per_tile(hpg, sq)

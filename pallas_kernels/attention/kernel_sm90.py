@@ -48,6 +48,20 @@ def mask_invisible_keys(s, limit, block):
   return jnp.where(visible, s, -jnp.inf)
 
 
+def p_times_v(p16, p_smem, v_smem, head_dim: int):
+  """P [64, 128] (input dtype, registers) . V_blk [128, D] (smem) into a fresh fp32 [64, D] accumulator. With
+  p_smem (GPU interpret mode, which only takes wgmma's A operand from shared memory) P is staged there first."""
+  if p_smem is not None:
+    p_smem[...] = p16
+    plgpu.commit_smem()
+
+  def pv_scope(pv_ref):
+    plgpu.wgmma(pv_ref, p16 if p_smem is None else p_smem, v_smem)
+    return pv_ref[...]
+
+  return pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+
+
 def _attention_kernel(
     q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
     queries_per_tile: int, heads_per_group: int, num_splits: int, list_per_split: int, stages: int,
@@ -125,15 +139,7 @@ def _attention_kernel(
 
     # P.V goes to a fresh accumulator and is added in registers (a pre-initialised accumulator,
     # pl.run_state(...)(plgpu.ACC.init(acc)), has no GPU-interpret-mode implementation).
-    if p_smem is not None:  # GPU interpret mode only takes wgmma's A operand from shared memory
-      p_smem[...] = p16
-      plgpu.commit_smem()
-
-    def pv_scope(pv_ref):
-      plgpu.wgmma(pv_ref, p16 if p_smem is None else p_smem, v_smem)
-      return pv_ref[...]
-
-    pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+    pv = p_times_v(p16, p_smem, v_smem, head_dim)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
     return acc, m_new, l_i
 

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, KvMajorBlockSizes
-from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, smem_transforms
+from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, p_times_v, smem_transforms
 from pallas_kernels.attention.plan_kv_major import (
     ITEM_BATCH, ITEM_BLOCK, ITEM_COUNT, ITEM_GROUP, ITEM_START, KvMajorPlan, queries_per_chunk,
 )
@@ -89,16 +89,7 @@ def _kv_major_kernel(
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
     p = jnp.exp2(s * c - lax.broadcast_in_dim(m_safe, s.shape, [0]))
     l = p.sum(axis=1)
-    p16 = p.astype(v_smem.dtype)
-    if p_smem is not None:  # GPU interpret mode only takes wgmma's A operand from shared memory
-      p_smem[...] = p16
-      plgpu.commit_smem()
-
-    def pv_scope(pv_ref):
-      plgpu.wgmma(pv_ref, p16 if p_smem is None else p_smem, v_smem)
-      return pv_ref[...]
-
-    o = pl.run_scoped(pv_scope, plgpu.ACC((ROWS_PER_TILE, head_dim), jnp.float32))
+    o = p_times_v(p.astype(v_smem.dtype), p_smem, v_smem, head_dim)
     empty = l == 0.0
     out = o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])
     out_smem = q_smem.at[stage] if o_smem is None else o_smem
