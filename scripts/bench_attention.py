@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 import traceback
 
 import jax
@@ -389,6 +390,10 @@ def main():
   ap.add_argument("--sections", default="indexer,sparse,dense,decode",
                   help="comma list of indexer, sparse, locality (sparse prefill against selection overlap), "
                        "kvmajor (memory floor of a KV-major sparse prefill), dense, decode")
+  ap.add_argument("--kv-panels", default="", metavar="N,N",
+                  help="also time the KV-major kernel with work items ordered by panels of N queries")
+  ap.add_argument("--only", default=None, metavar="REGEX",
+                  help="keep only the variants whose name matches (the two defaults always run)")
   ap.add_argument("--selections", default=None, metavar="F.npz",
                   help="also time sparse prefill on saved selections (m3jax forward --save-selections)")
   args = ap.parse_args()
@@ -413,6 +418,12 @@ def main():
   ]
   kv_major = [(f"KV-major, {c} chunks per CTA{', output in the Q buffer' if oq else ''}",
                KvMajorBlockSizes(chunks_per_item=c, out_in_q_buffer=oq)) for c, oq in ((8, True), (8, False), (16, True))]
+  kv_major += [(f"KV-major, panels of {n} queries", KvMajorBlockSizes(query_panel=n))
+               for n in map(int, filter(None, args.kv_panels.split(",")))]
+  if args.only:  # the defaults stay first: the locality sweep and saved selections use variants[:2]
+    keep = re.compile(args.only)
+    variants = variants[:2] + [v for v in variants[2:] if keep.search(v[0])]
+    kv_major = [v for v in kv_major if keep.search(v[0])] or kv_major[:1]
   if INTERPRET:  # the one-warpgroup kernel, as the heuristic picks when interpreting (see its docstring)
     variants = [v for v in variants if v[1] is not None and v[1].compute_wgs == 1][:1]
     kv_major = kv_major[:1]
@@ -426,7 +437,7 @@ def main():
       sparse_prefill(s, False, with_ref, (variants[:4] if s > 40000 else few) + kv_major)
       sparse_prefill(s, True, False, (few if args.quick or INTERPRET else variants[:4] + variants[5:]) + kv_major)
     if "locality" in sections:
-      locality_sweep(s, with_ref, [variants[0], variants[1], kv_major[0]][:1 if INTERPRET else 3])
+      locality_sweep(s, with_ref, ([variants[0], variants[1]] + kv_major)[:1 if INTERPRET else None])
     if "kvmajor" in sections:
       kv_major_floor(s)
     if "dense" in sections and (s <= 40000 or not args.quick):

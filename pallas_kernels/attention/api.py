@@ -185,7 +185,7 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, inter
   """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8."""
   hpg = q.shape[2] // k.shape[2]
   plan = kv_major_plan(block_ids, q_positions, num_keys=k.shape[1], heads_per_group=hpg,
-                       chunks_per_item=block_sizes.chunks_per_item)
+                       chunks_per_item=block_sizes.chunks_per_item, query_panel=block_sizes.query_panel)
   kp, vp = _pad_keys(k, v)
   o, lse = kv_major_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
                                      interpret=_interpret_params(interpret))

@@ -122,14 +122,20 @@ class KvMajorBlockSizes:
   query_chunk: at most this many queries (over the batch) per pass: the partial outputs of a pass take
     query_chunk x KV groups x T x heads per group x D x 2 B (8192 queries of M3: 2.1 GB); longer prefills
     run in several passes.
+  query_panel: order the work items by panels of this many consecutive queries of a sequence, then by
+    block (None: by block over the whole pass). CTAs running together then gather the Q rows of one panel,
+    which stay in L2, at the cost of loading each block's K/V once per panel that selects it.
   """
 
   chunks_per_item: int = 8
   out_in_q_buffer: bool = True
   query_chunk: int = 8192
+  query_panel: int | None = None
 
   def __post_init__(self):
     if not 1 <= self.chunks_per_item <= 64:
       raise ValueError(f"chunks_per_item must be in [1, 64], got {self.chunks_per_item}")
     if self.query_chunk < 1:
       raise ValueError(f"query_chunk must be >= 1, got {self.query_chunk}")
+    if self.query_panel is not None and self.query_panel < 1:
+      raise ValueError(f"query_panel must be >= 1 or None, got {self.query_panel}")

@@ -23,10 +23,11 @@ from test_attention_kernels import _assert_close, _qkv, _selection
 MODES = kernel_modes.MODES
 
 
-def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=True, query_chunk=8192):
+def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=True, query_chunk=8192,
+         query_panel=None):
   kw = dict(block_size=128, scale=q.shape[-1] ** -0.5)
   blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, out_in_q_buffer=out_in_q_buffer,
-                             query_chunk=query_chunk)
+                             query_chunk=query_chunk, query_panel=query_panel)
   got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"), block_sizes=blocks, **kw)
   ref = sparse_attention_reference(q, k, v, ids, positions, **kw)
   _assert_close(got, ref, q.dtype)
@@ -46,14 +47,16 @@ def test_m3_group_chunked_prefill(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("out_in_q_buffer,query_chunk", [(False, 8192), (True, 16)],
-                         ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes"])
-def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer, query_chunk):
+@pytest.mark.parametrize("out_in_q_buffer,query_chunk,query_panel", [(False, 8192, None), (True, 16, None),
+                                                                    (True, 8192, 12)],
+                         ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes", "panels_of_12"])
+def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer, query_chunk, query_panel):
   """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
   2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
   ignored, as in the reference); 8 heads per group (8 queries per tile); a padding query (position -1).
-  Both output buffers (a separate one, each chunk's own query buffer); one pass, and 3 passes of <= 16
-  queries (the last one padded)."""
+  Both output buffers (a separate one, each chunk's own query buffer); one pass, 3 passes of <= 16
+  queries (the last one padded), and one pass in panels of 12 queries (block 0's run split per panel, the
+  last panel short)."""
   rng = np.random.default_rng(3)
   pos = np.sort(rng.choice(np.arange(130, 600), 40, replace=False)).astype(np.int32)
   pos[7] = -1
@@ -66,7 +69,7 @@ def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer, query_chunk):
   ids[0, 1::3, 1, 3] = 9  # past the 5 key blocks
   q, k, v = _qkv(1, 40, 16, 2, 64, 600, jnp.bfloat16, seed=4)
   got = _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=2,
-             out_in_q_buffer=out_in_q_buffer, query_chunk=query_chunk)
+             out_in_q_buffer=out_in_q_buffer, query_chunk=query_chunk, query_panel=query_panel)
   assert (got[0, 7] == 0).all()
 
 
@@ -89,29 +92,38 @@ def test_short_sequence_and_rows_without_selections(mode):
   assert (got[0, 5] == 0).all()
 
 
-def test_plan_covers_every_pair_once():
+@pytest.mark.parametrize("query_panel", [None, 50, 16, 1])
+def test_plan_covers_every_pair_once(query_panel):
   """Every usable (query, group, slot) is in exactly one item, of the item's batch / group / block; items
-  hold at most chunks_per_item x Qc pairs, queries ascending; the rest of the items are empty."""
+  hold at most chunks_per_item x Qc pairs, queries ascending, all of one query panel; the real items come
+  first, ordered by (batch, group, panel, block); the rest of the items are empty."""
   rng = np.random.default_rng(0)
   b, sq, g, t, sk = 2, 50, 3, 5, 900
   ids = rng.integers(-1, 9, (b, sq, g, t)).astype(np.int32)
   pos = rng.integers(-1, 900, (b, sq)).astype(np.int32)
   plan = jax.tree.map(np.asarray, kv_major_plan(jnp.asarray(ids), jnp.asarray(pos), num_keys=sk,
-                                                heads_per_group=16, chunks_per_item=2))
+                                                heads_per_group=16, chunks_per_item=2, query_panel=query_panel))
+  panel = sq if query_panel is None else query_panel
   valid = np.asarray(usable_slots(jnp.asarray(ids), jnp.asarray(pos), sk))
   seen = np.zeros_like(valid, np.int32)
   items = plan.items
   assert (items[:, ITEM_COUNT] <= 8).all() and items[:, ITEM_COUNT].sum() == valid.sum()
-  for n in np.flatnonzero(items[:, ITEM_COUNT] > 0):
+  real = np.flatnonzero(items[:, ITEM_COUNT] > 0)
+  np.testing.assert_array_equal(real, np.arange(len(real)))
+  order_keys = []
+  for n in real:
     it = items[n]
     sl = slice(it[ITEM_START], it[ITEM_START] + it[ITEM_COUNT])
     queries, slots = plan.pair_query[sl], plan.pair_slot[sl]
     assert (np.diff(queries) > 0).all()
+    assert len(set(queries // panel)) == 1, "an item mixes query panels"
+    order_keys.append((it[ITEM_BATCH], it[ITEM_GROUP], queries[0] // panel, it[ITEM_BLOCK], queries[0]))
     assert (ids[it[ITEM_BATCH], queries, it[ITEM_GROUP], slots] == it[ITEM_BLOCK]).all()
     np.add.at(seen, (it[ITEM_BATCH], queries, it[ITEM_GROUP], slots), 1)
     limits = plan.chunk_limit[n].reshape(-1, 16)  # [C * Qc queries, 16 rows each]
     want = np.minimum(pos[it[ITEM_BATCH], queries], sk - 1)
     assert (limits[: len(queries)] == want[:, None]).all() and (limits[len(queries):] == -1).all()
+  assert order_keys == sorted(order_keys)
   np.testing.assert_array_equal(seen, valid.astype(np.int32))
   np.testing.assert_array_equal(plan.valid, valid)
 
