@@ -416,10 +416,12 @@ def main():
       ("Q=2 stages=1", SparseAttentionBlockSizes(queries_per_tile=2, kv_stages=1)),
       ("Q=1 stages=1", SparseAttentionBlockSizes(queries_per_tile=1, kv_stages=1)),
   ]
-  kv_major = [(f"KV-major, {c} chunks per CTA{', output in the Q buffer' if oq else ''}",
-               KvMajorBlockSizes(chunks_per_item=c, out_in_q_buffer=oq)) for c, oq in ((8, True), (8, False), (16, True))]
-  kv_major += [(f"KV-major, panels of {n} queries", KvMajorBlockSizes(query_panel=n))
-               for n in map(int, filter(None, args.kv_panels.split(",")))]
+  kv_major = [(f"KV-major, {c} chunks per CTA, output staged in {where}",
+               KvMajorBlockSizes(chunks_per_item=c, output_staging=where))
+              for c, where in ((8, "q_buffer"), (8, "separate"), (8, "halves"), (16, "q_buffer"))]
+  kv_major += [(f"KV-major, panels of {n} queries{', output staged in halves' if h else ''}",
+                KvMajorBlockSizes(query_panel=n, output_staging="halves" if h else "q_buffer"))
+               for n in map(int, filter(None, args.kv_panels.split(","))) for h in (False, True)]
   if args.only:  # the defaults stay first: the locality sweep and saved selections use variants[:2]
     keep = re.compile(args.only)
     variants = variants[:2] + [v for v in variants[2:] if keep.search(v[0])]

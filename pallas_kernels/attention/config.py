@@ -115,10 +115,16 @@ class KvMajorBlockSizes:
   written and merged with its log-sum-exp outside the kernel.
 
   chunks_per_item: query chunks per CTA (K/V reuse inside the CTA).
-  out_in_q_buffer: write each chunk's output into its own query buffer (96 KB of shared memory per CTA
-    instead of 112 KB, so two CTAs fit an SM) at the cost of waiting, before each prefetch, for the previous
-    chunk's stores out of that buffer. Measured on an H100 (M3 dims, random selections): kernel 6.75 vs
-    9.85 ms at 32K, 27.8 vs 40.1 ms at 128K.
+  output_staging: where a chunk's output waits in shared memory for its stores to global memory, which
+    sets how early the next chunks' queries can load (two query buffers in every mode):
+    "q_buffer": in the chunk's own query buffer (96 KB per CTA, two CTAs per SM); the next chunk's queries
+      load while this chunk computes (one chunk ahead), after the previous chunk's stores have left.
+    "separate": in a [64, D] buffer (112 KB per CTA: one CTA per SM); loads as "q_buffer".
+    "halves": in a [64, 64] buffer, the output's column halves one after the other (104 KB per CTA, two
+      CTAs per SM); a query buffer is refilled as soon as S = QK^T has read it, so the queries of two chunks
+      load while one computes. Needs D % 64 == 0.
+    Measured on an H100 (M3 dims, random selections): kernel 6.75 ("q_buffer") vs 9.85 ms ("separate") at
+    32K, 27.8 vs 40.1 ms at 128K.
   query_chunk: at most this many queries (over the batch) per pass: the partial outputs of a pass take
     query_chunk x KV groups x T x heads per group x D x 2 B (8192 queries of M3: 2.1 GB); longer prefills
     run in several passes.
@@ -128,13 +134,15 @@ class KvMajorBlockSizes:
   """
 
   chunks_per_item: int = 8
-  out_in_q_buffer: bool = True
+  output_staging: str = "q_buffer"
   query_chunk: int = 8192
   query_panel: int | None = None
 
   def __post_init__(self):
     if not 1 <= self.chunks_per_item <= 64:
       raise ValueError(f"chunks_per_item must be in [1, 64], got {self.chunks_per_item}")
+    if self.output_staging not in ("q_buffer", "separate", "halves"):
+      raise ValueError(f"output_staging must be 'q_buffer', 'separate' or 'halves', got {self.output_staging!r}")
     if self.query_chunk < 1:
       raise ValueError(f"query_chunk must be >= 1, got {self.query_chunk}")
     if self.query_panel is not None and self.query_panel < 1:

@@ -2,8 +2,8 @@
 
 One CTA owns a work item of plan_kv_major.py: one key block of one KV group and up to C chunks of the
 queries that selected it. It loads the block's K and V once, then for each chunk of Qc queries (the wgmma
-rows are Qc queries x the group's heads: 4 x 16 = 64 for M3), with the next chunk's queries loading
-meanwhile (two Q buffers):
+rows are Qc queries x the group's heads: 4 x 16 = 64 for M3), with the next chunks' queries loading
+meanwhile (two Q buffers; KvMajorBlockSizes.output_staging sets how early a buffer is refilled):
 
   S = Q_chunk[64, D] . K_blk[128, D]^T * scale                (wgmma, fp32)
   S = where(key_slot <= row_limit, S, -inf)                   (token-causal; -1 rows are padding)
@@ -36,17 +36,19 @@ from pallas_kernels.attention.plan_kv_major import (
 def _kv_major_kernel(
     q_ref, k_ref, v_ref, items_ref, pair_query_ref, pair_slot_ref, chunk_limit_ref, o_ref, lse_ref,
     k_smem, v_smem, q_smem, limit_smem, o_smem, lse_smem, p_smem, kv_barrier, q_barrier, *,
-    chunk_queries: int, heads_per_group: int, scale: float, head_dim: int,
+    chunk_queries: int, heads_per_group: int, scale: float, head_dim: int, staging: str,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; items_ref int32 [N, 5]; pair_query_ref,
   pair_slot_ref int32 [P]; chunk_limit_ref int32 [N, C, 64];
   outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
-  scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem [64, D]
-  (None: a chunk's output goes to its own Q buffer, 16 KB less shared memory per CTA, and the prefetch
-  into a buffer first waits for the stores out of it); lse_smem fp32 [64]; p_smem [64, 128] (None: P stays
-  in registers); kv_barrier (2 arrivals); q_barrier (2 barriers of Qc + 1 arrivals).
+  scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem: None
+  (staging "q_buffer": a chunk's output goes to its own Q buffer, and the prefetch into a buffer first waits
+  for the stores out of it), [64, D] ("separate") or [64, 64] ("halves": the output leaves in 64-column
+  parts, and the buffer of chunk c is refilled with chunk c + 2 right after S = QK^T); lse_smem fp32 [64];
+  p_smem [64, 128] (None: P stays in registers); kv_barrier (2 arrivals); q_barrier (2 barriers of Qc + 1
+  arrivals).
   """
   item = lax.axis_index("item")
   batch = items_ref[item, ITEM_BATCH]
@@ -67,14 +69,23 @@ def _kv_major_kernel(
       )
     plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_barrier.at[stage])
 
+  early_refill = staging == "halves"
+  part_width = o_smem.shape[-1] if o_smem is not None else head_dim
+
+  def prefetch(chunk, stage):
+    @pl.when(chunk < num_chunks)
+    def _load():
+      load_chunk(chunk, stage)
+
   def chunk_body(chunk, carry):
     stage = lax.rem(chunk, 2)
 
-    @pl.when(chunk + 1 < num_chunks)
-    def _prefetch():
-      if o_smem is None:  # the previous chunk's output, in the buffer about to be refilled, has been read
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      load_chunk(chunk + 1, 1 - stage)
+    if not early_refill:
+      @pl.when(chunk + 1 < num_chunks)
+      def _prefetch():
+        if o_smem is None:  # the previous chunk's output, in the buffer about to be refilled, has been read
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        load_chunk(chunk + 1, 1 - stage)
 
     plgpu.barrier_wait(q_barrier.at[stage])
 
@@ -84,6 +95,9 @@ def _kv_major_kernel(
 
     s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS_PER_TILE, KEY_BLOCK), jnp.float32))
     s = mask_invisible_keys(s, plgpu.load(limit_smem.at[stage], layout=ROW_LAYOUT), block)
+    if early_refill:  # every thread is past its reads of this stage's Q (wgmma) and limits: refill it
+      plgpu.commit_smem()
+      prefetch(chunk + 2, stage)
     c = scale * LOG2E
     m = s.max(axis=1) * c
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
@@ -91,22 +105,26 @@ def _kv_major_kernel(
     l = p.sum(axis=1)
     o = p_times_v(p.astype(v_smem.dtype), p_smem, v_smem, head_dim)
     empty = l == 0.0
-    out = o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])
+    out = (o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])).astype(q_smem.dtype)
     out_smem = q_smem.at[stage] if o_smem is None else o_smem
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous chunk's stores have read o / lse smem
-    out_smem[...] = out.astype(out_smem.dtype)
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
-    plgpu.commit_smem()
-    for r in range(chunk_queries):
-      index = chunk * chunk_queries + r
+    for part in range(head_dim // part_width):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read o / lse smem
+      out_smem[...] = out if part_width == head_dim else out[:, part * part_width:(part + 1) * part_width]
+      if part == 0:
+        lse_smem[...] = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
+      plgpu.commit_smem()
+      for r in range(chunk_queries):
+        index = chunk * chunk_queries + r
 
-      @pl.when(index < count)
-      def _store():
-        pair = start + index
-        rows = pl.ds(r * heads_per_group, heads_per_group)
-        dst = (batch, pair_query_ref[pair], group, pair_slot_ref[pair])
-        plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[dst])
-        plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[dst])
+        @pl.when(index < count)
+        def _store():
+          pair = start + index
+          rows = pl.ds(r * heads_per_group, heads_per_group)
+          dst = (batch, pair_query_ref[pair], group, pair_slot_ref[pair])
+          columns = pl.ds(part * part_width, part_width)
+          plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[dst] if part_width == head_dim else o_ref.at[dst].at[:, columns])
+          if part == 0:
+            plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[dst])
 
     return carry
 
@@ -116,6 +134,8 @@ def _kv_major_kernel(
     plgpu.copy_gmem_to_smem(k_ref.at[batch, kv, group], k_smem, kv_barrier.at[0])
     plgpu.copy_gmem_to_smem(v_ref.at[batch, kv, group], v_smem, kv_barrier.at[0])
     load_chunk(0, 0)
+    if early_refill:
+      prefetch(1, 1)
     plgpu.barrier_wait(kv_barrier.at[0])
     lax.fori_loop(0, num_chunks, chunk_body, 0)
     plgpu.wait_smem_to_gmem(0)
@@ -151,17 +171,21 @@ def kv_major_attention_pallas(
   if (hpg % 8 or hpg > ROWS_PER_TILE or k.shape[1] % KEY_BLOCK or rows != ROWS_PER_TILE
       or chunks != block_sizes.chunks_per_item or plan.valid.shape != (b, sq_pad, nkv, t)):
     raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {plan.chunk_limit.shape=}, {plan.valid.shape=}")
+  staging = block_sizes.output_staging
+  if staging == "halves" and d % 64:
+    raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
   p_in_smem = bool(interpret)
   kernel = functools.partial(
-      _kv_major_kernel, chunk_queries=qc, heads_per_group=hpg, scale=scale, head_dim=d,
+      _kv_major_kernel, chunk_queries=qc, heads_per_group=hpg, scale=scale, head_dim=d, staging=staging,
   )
+  o_staging = {"q_buffer": None, "separate": (ROWS_PER_TILE, d), "halves": (ROWS_PER_TILE, 64)}[staging]
   tiled = dict(transforms=smem_transforms(q.dtype))
   scratch = [
       plgpu.SMEM((KEY_BLOCK, d), k.dtype, **tiled),
       plgpu.SMEM((KEY_BLOCK, d), v.dtype, **tiled),
       plgpu.SMEM((2, ROWS_PER_TILE, d), q.dtype, **tiled),
       plgpu.SMEM((2, ROWS_PER_TILE), jnp.int32),
-      None if block_sizes.out_in_q_buffer else plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, **tiled),
+      None if o_staging is None else plgpu.SMEM(o_staging, q.dtype, **tiled),
       plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
       plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1),
@@ -178,6 +202,6 @@ def kv_major_attention_pallas(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-      kernel_name=f"m3_attention_kv_major_c{chunks}{'_oq' if block_sizes.out_in_q_buffer else ''}",
+      kernel_name=f"m3_attention_kv_major_c{chunks}_{staging}",
   )(q, k, v, plan.items, plan.pair_query, plan.pair_slot, plan.chunk_limit)
   return o, lse

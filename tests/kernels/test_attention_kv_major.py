@@ -23,10 +23,10 @@ from test_attention_kernels import _assert_close, _qkv, _selection
 MODES = kernel_modes.MODES
 
 
-def _run(mode, q, k, v, ids, positions, chunks_per_item, out_in_q_buffer=True, query_chunk=8192,
+def _run(mode, q, k, v, ids, positions, chunks_per_item, output_staging="q_buffer", query_chunk=8192,
          query_panel=None):
   kw = dict(block_size=128, scale=q.shape[-1] ** -0.5)
-  blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, out_in_q_buffer=out_in_q_buffer,
+  blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, output_staging=output_staging,
                              query_chunk=query_chunk, query_panel=query_panel)
   got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"), block_sizes=blocks, **kw)
   ref = sparse_attention_reference(q, k, v, ids, positions, **kw)
@@ -47,10 +47,12 @@ def test_m3_group_chunked_prefill(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("out_in_q_buffer,query_chunk,query_panel", [(False, 8192, None), (True, 16, None),
-                                                                    (True, 8192, 12)],
-                         ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes", "panels_of_12"])
-def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer, query_chunk, query_panel):
+@pytest.mark.parametrize("output_staging,query_chunk,query_panel",
+                         [("separate", 8192, None), ("q_buffer", 16, None), ("q_buffer", 8192, 12),
+                          ("halves", 8192, None), ("halves", 16, 12)],
+                         ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes", "panels_of_12", "halves",
+                              "halves_3_passes_panels_of_12"])
+def test_long_runs_ragged_items_and_bad_ids(mode, output_staging, query_chunk, query_panel):
   """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
   2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
   ignored, as in the reference); 8 heads per group (8 queries per tile); a padding query (position -1).
@@ -69,8 +71,24 @@ def test_long_runs_ragged_items_and_bad_ids(mode, out_in_q_buffer, query_chunk, 
   ids[0, 1::3, 1, 3] = 9  # past the 5 key blocks
   q, k, v = _qkv(1, 40, 16, 2, 64, 600, jnp.bfloat16, seed=4)
   got = _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=2,
-             out_in_q_buffer=out_in_q_buffer, query_chunk=query_chunk, query_panel=query_panel)
+             output_staging=output_staging, query_chunk=query_chunk, query_panel=query_panel)
   assert (got[0, 7] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("output_staging", ["q_buffer", "separate", "halves"])
+def test_head_dim_128_items_of_several_chunks(mode, output_staging):
+  """M3's group shape (16 heads, D = 128: two 64-column output parts with "halves") over 38 queries of a
+  700-token prefill, all selecting block 0 plus their own block: runs of up to 38 users in items of 3 chunks
+  of 4 queries, so buffers are refilled one or two chunks ahead and items end mid-chunk."""
+  rng = np.random.default_rng(8)
+  pos = np.sort(rng.choice(np.arange(0, 700), 38, replace=False)).astype(np.int32)
+  ids = np.full((1, 38, 2, 3), -1, np.int32)
+  ids[0, :, :, 0] = 0
+  ids[0, :, :, 1] = pos[:, None] // 128
+  ids[0, ::4, 1, 2] = 2
+  q, k, v = _qkv(1, 38, 32, 2, 128, 700, jnp.bfloat16, seed=12)
+  _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=3, output_staging=output_staging)
 
 
 @pytest.mark.parametrize("mode", MODES)
