@@ -121,8 +121,10 @@ def _kv_major_kernel(
           pair = start + index
           rows = pl.ds(r * heads_per_group, heads_per_group)
           dst = (batch, pair_query_ref[pair], group, pair_slot_ref[pair])
-          columns = pl.ds(part * part_width, part_width)
-          plgpu.copy_smem_to_gmem(out_smem.at[rows], o_ref.at[dst] if part_width == head_dim else o_ref.at[dst].at[:, columns])
+          o_dst = o_ref.at[dst]
+          if part_width != head_dim:
+            o_dst = o_dst.at[:, pl.ds(part * part_width, part_width)]
+          plgpu.copy_smem_to_gmem(out_smem.at[rows], o_dst)
           if part == 0:
             plgpu.copy_smem_to_gmem(lse_smem.at[rows], lse_ref.at[dst])
 
