@@ -133,15 +133,17 @@ def test_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("batch,new,cached", CALLS[:2])
 def test_kv_major_sparse_attention_lowers(dims: Dims, batch: int, new: int, cached: int):
-  """The KV-major prefill kernel alone, and (full dims, 1000-token prefill: 500 warp-specialized tiles) inside
-  the default, beside the query-major kernel it is chosen against on the device."""
+  """The KV-major prefill kernel alone (two output stagings), and (full dims, 1000-token prefill: 500
+  warp-specialized tiles) inside the default, beside the query-major kernel it is chosen against on the
+  device."""
   sk = cached + new
   args = (_spec((batch, new, dims.q_heads, HEAD_DIM)), _spec((batch, sk, dims.kv_heads, HEAD_DIM)),
           _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32),
           _positions(batch, new))
-  text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5,
-                                                     block_sizes=KvMajorBlockSizes()), *args)
-  assert "m3_attention_kv_major" in text
+  for staging in ("q_buffer", "halves"):  # the default, and 64-column output parts with early Q refills
+    text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5,
+                                                       block_sizes=KvMajorBlockSizes(output_staging=staging)), *args)
+    assert f"m3_attention_kv_major_c8_{staging}" in text
   if dims is FULL and cached == 0:
     text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5), *args)
     assert "m3_attention_kv_major" in text and "m3_attention_ws" in text
