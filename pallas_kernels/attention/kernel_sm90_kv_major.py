@@ -75,17 +75,14 @@ def _kv_major_kernel(
   def prefetch(chunk, stage):
     @pl.when(chunk < num_chunks)
     def _load():
+      if o_smem is None:  # the previous chunk's output, in the buffer about to be refilled, has been read
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_chunk(chunk, stage)
 
   def chunk_body(chunk, carry):
     stage = lax.rem(chunk, 2)
-
     if not early_refill:
-      @pl.when(chunk + 1 < num_chunks)
-      def _prefetch():
-        if o_smem is None:  # the previous chunk's output, in the buffer about to be refilled, has been read
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        load_chunk(chunk + 1, 1 - stage)
+      prefetch(chunk + 1, 1 - stage)
 
     plgpu.barrier_wait(q_barrier.at[stage])
 

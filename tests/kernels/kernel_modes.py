@@ -14,9 +14,12 @@ def on_sm90() -> bool:
   return getattr(jax.devices()[0], "compute_capability", "") in ("9.0", "9.0a")
 
 
+NEEDS_SM90 = pytest.mark.skipif(not on_sm90(), reason="needs an sm90 GPU")
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on the CPU backend")
+
 MODES = [
     pytest.param("interpret", marks=pytest.mark.interpret),
-    pytest.param("gpu", marks=pytest.mark.skipif(not on_sm90(), reason="needs an sm90 GPU")),
+    pytest.param("gpu", marks=NEEDS_SM90),
 ]
 
 

@@ -124,7 +124,7 @@ def test_sparse_two_compute_warpgroups(mode):
   assert (got[0, 16:] == 0).all() and (got[1, 11:] == 0).all()
 
 
-@pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")
+@kernel_modes.NEEDS_SM90
 @pytest.mark.parametrize("ping_pong", ["every", "off"])
 def test_sparse_two_compute_warpgroups_ping_pong_modes_gpu(ping_pong):
   """Each ping-pong policy of the warp-specialized kernel on a longer walk (compiled on an sm90 GPU; the

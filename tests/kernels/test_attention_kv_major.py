@@ -156,7 +156,7 @@ def test_prefers_kv_major_compares_block_loads_with_pairs():
 
 
 @pytest.mark.interpret
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on the CPU backend")
+@kernel_modes.CPU_ONLY
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_selections", "private_selections"])
 def test_either_loop_order_by_selection_overlap(shared):
   """The compiled prefill's choice between the two kernels (run here in interpret mode): 16 queries at
@@ -180,7 +180,7 @@ def test_either_loop_order_by_selection_overlap(shared):
   _assert_close(got, ref, jnp.bfloat16)
 
 
-@pytest.mark.skipif(not kernel_modes.on_sm90(), reason="needs an sm90 GPU")
+@kernel_modes.NEEDS_SM90
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_selections", "private_selections"])
 def test_default_prefill_runs_either_kernel_gpu(shared):
   """sparse_attention's default on a compiled prefill big enough for the warp-specialized kernel (1056

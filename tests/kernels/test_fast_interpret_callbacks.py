@@ -11,14 +11,14 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import fast_interpret_callbacks as fast
+import kernel_modes
 from pallas_kernels.attention import sparse_attention
 from pallas_kernels.indexer import indexer_topk
 from pallas_kernels.moe import MoeBlockSizes, moe_block
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="interpret mode runs on the CPU backend")
+pytestmark = kernel_modes.CPU_ONLY
 
 
 def _both_ways(fn) -> tuple[np.ndarray, np.ndarray]:
