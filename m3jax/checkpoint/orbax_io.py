@@ -155,16 +155,54 @@ class LeafInfo:
 
 
 def leaf_metadata(path: str) -> dict[KeyPath, LeafInfo]:
-  """Key path -> stored shape/dtype for every array leaf of the Orbax checkpoint at ``path`` (no data read)."""
-  meta = ocp.PyTreeCheckpointer().metadata(os.path.abspath(path))
-  item = meta.item_metadata if hasattr(meta, "item_metadata") else meta
-  tree = getattr(item, "tree", None)
-  if tree is None:
-    raise ValueError("Orbax cannot read the array metadata (missing or corrupt data files)")
+  """Key path -> stored shape/dtype for every array leaf of the Orbax checkpoint at ``path`` (no data read).
+
+  Reads the key paths from Orbax's ``_METADATA`` and opens every array with TensorStore directly, all at once,
+  waiting for each open before returning or raising. (Orbax's own ``metadata()`` leaves TensorStore callbacks
+  pending on an asyncio loop it has already closed when a data file is missing, and logs instead of naming the
+  array.) ValueError naming the file or the first array that cannot be read.
+  """
+  path = os.path.abspath(path)
+  meta_file = os.path.join(path, "_METADATA")
+  try:
+    with open(meta_file) as f:
+      meta = json.load(f)
+    entries = list(meta["tree_metadata"].values())
+    keys = [tuple(str(k["key"]) for k in e["key_metadata"]) for e in entries]
+    kinds = [e["value_metadata"]["value_type"] for e in entries]
+  except FileNotFoundError:
+    raise ValueError(f"{meta_file}: missing (not an Orbax checkpoint, or an unfinished one)") from None
+  except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"{meta_file}: unreadable Orbax metadata ({type(e).__name__}: {e})") from None
+  for key, kind in zip(keys, kinds):
+    if kind not in _ARRAY_VALUE_TYPES:
+      raise ValueError(f"{meta_file}: leaf {'.'.join(key)!r} is a {kind!r}, not an array")
+  context = ts.Context({"file_io_concurrency": {"limit": 32}})
+  driver = "zarr3" if meta.get("use_zarr3") else "zarr"
+  opening = [ts.open(_array_spec(path, driver, key), open=True, read=True, context=context) for key in keys]
   out: dict[KeyPath, LeafInfo] = {}
-  for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    out[tuple(_key_str(k) for k in keypath)] = LeafInfo(tuple(leaf.shape), np.dtype(leaf.dtype))
+  failure: tuple[KeyPath, Exception] | None = None
+  for key, future in zip(keys, opening):  # wait for every open, failed or not, before raising
+    try:
+      store = future.result()
+    except Exception as e:  # pylint: disable=broad-except  (TensorStore raises ValueError / OSError / others)
+      failure = failure or (key, e)
+      continue
+    out[key] = LeafInfo(tuple(int(n) for n in store.shape), np.dtype(store.dtype.numpy_dtype))
+  if failure:
+    key, e = failure
+    raise ValueError(f"{path}: cannot read array {'.'.join(key)!r} (missing or corrupt data files? "
+                     f"{type(e).__name__}: {e})")
   return out
+
+
+# Orbax value types of array leaves (what NumpyHandler / ArrayHandler record).
+_ARRAY_VALUE_TYPES = ("np.ndarray", "jax.Array")
+
+
+def _array_spec(path: str, driver: str, keypath: KeyPath) -> dict[str, Any]:
+  """TensorStore spec of one array leaf of the OCDBT checkpoint at ``path``."""
+  return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": f"file://{path}", "path": ".".join(keypath)}}
 
 
 def _key_str(k) -> str:
@@ -221,9 +259,8 @@ class SliceReader:
 
   def _store(self, keypath: KeyPath):
     if keypath not in self._stores:
-      spec = {"driver": self._driver, "kvstore": {"driver": "ocdbt", "base": f"file://{self.path}",
-                                             "path": ".".join(keypath)}}
-      self._stores[keypath] = ts.open(spec, open=True, read=True, context=self._ctx).result()
+      self._stores[keypath] = ts.open(_array_spec(self.path, self._driver, keypath), open=True, read=True,
+                                      context=self._ctx).result()
     return self._stores[keypath]
 
   def read(self, keypath: KeyPath, index: tuple[slice, ...] | slice | None = None) -> np.ndarray:
