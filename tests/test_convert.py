@@ -322,6 +322,12 @@ def test_converted_checkpoint_that_does_not_match_its_config(dst, tmp_path, monk
       m3jax.load(bad)
     gc.collect()
   assert not unraisable, [u.exc_value for u in unraisable]
+  truncated = tmp_path / "truncated"  # the metadata reads, an array's data does not
+  shutil.copytree(dst, truncated)
+  data_file = max((truncated / converted.STATE).glob("ocdbt.process_*/d/*"), key=os.path.getsize)
+  os.truncate(data_file, 100)
+  with pytest.raises(CheckpointError, match=r'/state: cannot restore \(.*ValueError: .* in "model\.[a-z0-9_.]+/c/'):
+    m3jax.load(truncated)
   os.remove(bad / converted.MARKER)
   with pytest.raises(CheckpointError, match="incomplete conversion"):
     m3jax.load(bad)

@@ -105,8 +105,8 @@ def restore_params(path: str, flat: Sequence[tuple[ParamPath, Any]],
   leaves = {model_key(p): (tuple(var.shape), np.dtype(var.dtype), placement(p) or default) for p, var in flat}
   try:
     restored = orbax_io.restore(state_dir(path), leaves)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"{state_dir(path)}: cannot restore ({type(e).__name__}: {e})") from None
+  except ValueError as e:  # names the directory and, where TensorStore says it, the array
+    raise CheckpointError(str(e)) from None
   return {p: restored[model_key(p)] for p, _ in flat}
 
 

@@ -230,14 +230,23 @@ def nest(flat: Mapping[KeyPath, Any]) -> dict[str, Any]:
 def restore(path: str, leaves: Mapping[KeyPath, tuple[tuple[int, ...], np.dtype, jax.sharding.Sharding]]
             ) -> dict[KeyPath, jax.Array]:
   """Restores the given leaves (a subset of the checkpoint) straight into jax.Arrays with the given shardings,
-  cast to the given dtypes. Each device reads only the chunks of its own shard."""
+  cast to the given dtypes. Each device reads only the chunks of its own shard. ValueError when a read
+  fails."""
   item = nest({k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for k, (shape, dtype, sharding)
                in leaves.items()})
   restore_args = nest({k: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype)
                        for k, (shape, dtype, sharding) in leaves.items()})
-  with ocp.PyTreeCheckpointer() as ckptr:
-    out = ckptr.restore(os.path.abspath(path), args=ocp.args.PyTreeRestore(
-        item=item, restore_args=restore_args, partial_restore=True))
+  try:
+    with ocp.PyTreeCheckpointer() as ckptr:
+      out = ckptr.restore(os.path.abspath(path), args=ocp.args.PyTreeRestore(
+          item=item, restore_args=restore_args, partial_restore=True))
+  except Exception as e:  # pylint: disable=broad-except
+    # Orbax wraps a TensorStore read error in a bare Exception carrying the whole TensorStore spec; its cause is
+    # TensorStore's one-line error, which names the array (e.g. 'Error reading ... in "model.embed/c/0/0" ...').
+    cause = e.__cause__ or e
+    first_line = (str(cause).strip().splitlines() or [""])[0]
+    raise ValueError(f"{path}: cannot restore (missing, truncated or corrupt data files? "
+                     f"{type(cause).__name__}: {first_line})") from None
   result = {}
   for keypath in leaves:
     node = out
