@@ -177,8 +177,7 @@ def leaf_metadata(path: str) -> dict[KeyPath, LeafInfo]:
   for key, kind in zip(keys, kinds):
     if kind not in _ARRAY_VALUE_TYPES:
       raise ValueError(f"{meta_file}: leaf {'.'.join(key)!r} is a {kind!r}, not an array")
-  context = ts.Context({"file_io_concurrency": {"limit": 32}})
-  driver = "zarr3" if meta.get("use_zarr3") else "zarr"
+  context, driver = _read_context(), _zarr_driver(meta)
   opening = [ts.open(_array_spec(path, driver, key), open=True, read=True, context=context) for key in keys]
   out: dict[KeyPath, LeafInfo] = {}
   failure: tuple[KeyPath, Exception] | None = None
@@ -200,16 +199,19 @@ def leaf_metadata(path: str) -> dict[KeyPath, LeafInfo]:
 _ARRAY_VALUE_TYPES = ("np.ndarray", "jax.Array")
 
 
+def _zarr_driver(meta: Mapping[str, Any]) -> str:
+  """TensorStore driver of the arrays, from the checkpoint's parsed ``_METADATA``."""
+  return "zarr3" if meta.get("use_zarr3") else "zarr"
+
+
+def _read_context() -> ts.Context:
+  """TensorStore context for reading a checkpoint's arrays (up to 32 concurrent file reads)."""
+  return ts.Context({"file_io_concurrency": {"limit": 32}})
+
+
 def _array_spec(path: str, driver: str, keypath: KeyPath) -> dict[str, Any]:
   """TensorStore spec of one array leaf of the OCDBT checkpoint at ``path``."""
   return {"driver": driver, "kvstore": {"driver": "ocdbt", "base": f"file://{path}", "path": ".".join(keypath)}}
-
-
-def _key_str(k) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
 
 
 def nest(flat: Mapping[KeyPath, Any]) -> dict[str, Any]:
@@ -262,9 +264,9 @@ class SliceReader:
   def __init__(self, path: str):
     self.path = os.path.abspath(path)
     with open(os.path.join(self.path, "_METADATA")) as f:
-      self._driver = "zarr3" if json.load(f).get("use_zarr3") else "zarr"
+      self._driver = _zarr_driver(json.load(f))
     self._stores: dict[KeyPath, Any] = {}
-    self._ctx = ts.Context({"file_io_concurrency": {"limit": 32}})
+    self._ctx = _read_context()
 
   def _store(self, keypath: KeyPath):
     if keypath not in self._stores:
