@@ -11,8 +11,10 @@ meanwhile (two Q buffers; KvMajorBlockSizes.output_staging sets how early a buff
   O = P . V_blk / l                                           (wgmma, fp32; P in the input dtype)
 
 and stores O (input dtype) and lse = m + log2(l) (fp32) into the (query, group, slot) entry of the partial
-outputs. api.py merges each query's partials with their log-sum-exp. Every wgmma row belongs to a selected
-(query, block) pair, whatever the selections' overlap; the price is the partial outputs' traffic.
+outputs, or (output_staging "registers") straight from registers into the chunk's own 64 rows of a partial
+buffer laid out by (item, chunk), which plan.pair_slab maps back to the pairs. api.py merges each query's
+partials with their log-sum-exp. Every wgmma row belongs to a selected (query, block) pair, whatever the
+selections' overlap; the price is the partial outputs' traffic.
 """
 
 from __future__ import annotations
@@ -36,19 +38,21 @@ from pallas_kernels.attention.plan_kv_major import (
 def _kv_major_kernel(
     q_ref, k_ref, v_ref, items_ref, pair_query_ref, pair_slot_ref, chunk_limit_ref, o_ref, lse_ref,
     k_smem, v_smem, q_smem, limit_smem, o_smem, lse_smem, p_smem, kv_barrier, q_barrier, *,
-    chunk_queries: int, heads_per_group: int, scale: float, head_dim: int, staging: str,
+    chunk_queries: int, chunks_per_item: int, heads_per_group: int, scale: float, head_dim: int, staging: str,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; items_ref int32 [N, 5]; pair_query_ref,
   pair_slot_ref int32 [P]; chunk_limit_ref int32 [N, C, 64];
   outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
+    with staging "registers": o_ref [N * C * 64, D], lse_ref fp32 [N * C * 64] (rows of chunk c of item i
+    at (i * C + c) * 64);
   scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem: None
   (staging "q_buffer": a chunk's output goes to its own Q buffer, and the prefetch into a buffer first waits
-  for the stores out of it), [64, D] ("separate") or [64, 64] ("halves": the output leaves in 64-column
-  parts, and the buffer of chunk c is refilled with chunk c + 2 right after S = QK^T); lse_smem fp32 [64];
-  p_smem [64, 128] (None: P stays in registers); kv_barrier (2 arrivals); q_barrier (2 barriers of Qc + 1
-  arrivals).
+  for the stores out of it; "registers": no staging), [64, D] ("separate") or [64, 64] ("halves": the
+  output leaves in 64-column parts); with "halves" and "registers" the buffer of chunk c is refilled with
+  chunk c + 2 right after S = QK^T; lse_smem fp32 [64] (None with "registers"); p_smem [64, 128] (None: P
+  stays in registers); kv_barrier (2 arrivals); q_barrier (2 barriers of Qc + 1 arrivals).
   """
   item = lax.axis_index("item")
   batch = items_ref[item, ITEM_BATCH]
@@ -69,13 +73,14 @@ def _kv_major_kernel(
       )
     plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_barrier.at[stage])
 
-  early_refill = staging == "halves"
+  direct = staging == "registers"
+  early_refill = staging in ("halves", "registers")
   part_width = o_smem.shape[-1] if o_smem is not None else head_dim
 
   def prefetch(chunk, stage):
     @pl.when(chunk < num_chunks)
     def _load():
-      if o_smem is None:  # the previous chunk's output, in the buffer about to be refilled, has been read
+      if staging == "q_buffer":  # the previous chunk's output, in the buffer about to be refilled, has been read
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_chunk(chunk, stage)
 
@@ -103,12 +108,18 @@ def _kv_major_kernel(
     o = p_times_v(p.astype(v_smem.dtype), p_smem, v_smem, head_dim)
     empty = l == 0.0
     out = (o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])).astype(q_smem.dtype)
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
+    if direct:  # the chunk's 64 rows, padding rows included (their lse is -inf and no pair maps to them)
+      rows = pl.ds((item * chunks_per_item + chunk) * ROWS_PER_TILE, ROWS_PER_TILE)
+      o_ref.at[rows][...] = out
+      lse_ref.at[rows][...] = lse
+      return carry
     out_smem = q_smem.at[stage] if o_smem is None else o_smem
     for part in range(head_dim // part_width):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores have read o / lse smem
       out_smem[...] = out if part_width == head_dim else out[:, part * part_width:(part + 1) * part_width]
       if part == 0:
-        lse_smem[...] = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
+        lse_smem[...] = lse
       plgpu.commit_smem()
       for r in range(chunk_queries):
         index = chunk * chunk_queries + r
@@ -159,7 +170,9 @@ def kv_major_attention_pallas(
 
   Returns:
     (o [B, Sq_pad, Nkv, T, hpg, D] in q.dtype, lse fp32 [B, Sq_pad, Nkv, T, hpg] base 2): entries of the
-    slots plan.valid marks; the others are left unwritten.
+    slots plan.valid marks; the others are left unwritten. With output_staging "registers" (heads per group
+    dividing 64): (o [N * C * 64, D], lse fp32 [N * C * 64]), whose rows viewed as [N * C * Qc, hpg] slabs
+    hold the pairs at plan.pair_slab (rows of chunks an item does not have are left unwritten).
   """
   b, sq_pad, nq, d = q.shape
   nkv = k.shape[2]
@@ -173,11 +186,16 @@ def kv_major_attention_pallas(
   staging = block_sizes.output_staging
   if staging == "halves" and d % 64:
     raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
+  direct = staging == "registers"
+  if direct and ROWS_PER_TILE % hpg:
+    raise ValueError(f"output_staging='registers' needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
   p_in_smem = bool(interpret)
   kernel = functools.partial(
-      _kv_major_kernel, chunk_queries=qc, heads_per_group=hpg, scale=scale, head_dim=d, staging=staging,
+      _kv_major_kernel, chunk_queries=qc, chunks_per_item=chunks, heads_per_group=hpg, scale=scale, head_dim=d,
+      staging=staging,
   )
-  o_staging = {"q_buffer": None, "separate": (ROWS_PER_TILE, d), "halves": (ROWS_PER_TILE, 64)}[staging]
+  o_staging = {"q_buffer": None, "registers": None, "separate": (ROWS_PER_TILE, d),
+               "halves": (ROWS_PER_TILE, 64)}[staging]
   tiled = dict(transforms=smem_transforms(q.dtype))
   scratch = [
       plgpu.SMEM((KEY_BLOCK, d), k.dtype, **tiled),
@@ -185,7 +203,7 @@ def kv_major_attention_pallas(
       plgpu.SMEM((2, ROWS_PER_TILE, d), q.dtype, **tiled),
       plgpu.SMEM((2, ROWS_PER_TILE), jnp.int32),
       None if o_staging is None else plgpu.SMEM(o_staging, q.dtype, **tiled),
-      plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
+      None if direct else plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
       plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1),
       plgpu.Barrier(num_arrivals=qc + 1, num_barriers=2),
@@ -193,6 +211,9 @@ def kv_major_attention_pallas(
   o, lse = plgpu.kernel(
       kernel,
       out_type=[
+          jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE, d), q.dtype),
+          jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE,), jnp.float32),
+      ] if direct else [
           jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg, d), q.dtype),
           jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg), jnp.float32),
       ],

@@ -39,6 +39,9 @@ class KvMajorPlan:
   chunk_limit: [N, C, 64] last visible key slot of each wgmma row of each query chunk of each item
     (row r = query r // heads_per_group of the chunk); -1 for rows past the item's pairs.
   valid: bool [B, Sq_pad, G, T] the (query, slot) entries that are pairs.
+  pair_slab: [B, Sq_pad, G, T] where each pair's partial output lies when items write their chunks whole
+    (output_staging "registers"): item i's pair j is slab i * C * Qc + j of the [N * C * Qc, hpg, D]
+    partial buffer; 0 where valid is False.
   """
 
   items: jax.Array
@@ -46,6 +49,7 @@ class KvMajorPlan:
   pair_slot: jax.Array
   chunk_limit: jax.Array
   valid: jax.Array
+  pair_slab: jax.Array
 
 
 def queries_per_chunk(heads_per_group: int) -> int:
@@ -116,4 +120,6 @@ def kv_major_plan(
   pos_in_item = jnp.arange(chunks_per_item, dtype=jnp.int32)[:, None] * qc + rows[None, :] // heads_per_group
   real_row = (rows < qc * heads_per_group)[None, None, :] & (pos_in_item[None] < count[:, None, None])
   chunk_limit = jnp.where(real_row, pair_limit[jnp.minimum(first[:, None, None] + pos_in_item[None], p - 1)], -1)
-  return KvMajorPlan(items.astype(jnp.int32), query, slot, chunk_limit.astype(jnp.int32), valid)
+  slab = jnp.where(live, item_of * per_item + flat - first[jnp.clip(item_of, 0, n - 1)], 0)
+  pair_slab = jnp.zeros((p,), jnp.int32).at[order].set(slab).reshape(b, sq, g, t)
+  return KvMajorPlan(items.astype(jnp.int32), query, slot, chunk_limit.astype(jnp.int32), valid, pair_slab)

@@ -49,9 +49,9 @@ def test_m3_group_chunked_prefill(mode, dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("output_staging,query_chunk,query_panel",
                          [("separate", 8192, None), ("q_buffer", 16, None), ("q_buffer", 8192, 12),
-                          ("halves", 8192, None), ("halves", 16, 12)],
+                          ("halves", 8192, None), ("halves", 16, 12), ("registers", 16, 12)],
                          ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes", "panels_of_12", "halves",
-                              "halves_3_passes_panels_of_12"])
+                              "halves_3_passes_panels_of_12", "registers_3_passes_panels_of_12"])
 def test_long_runs_ragged_items_and_bad_ids(mode, output_staging, query_chunk, query_panel):
   """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
   2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
@@ -76,7 +76,7 @@ def test_long_runs_ragged_items_and_bad_ids(mode, output_staging, query_chunk, q
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("output_staging", ["q_buffer", "separate", "halves"])
+@pytest.mark.parametrize("output_staging", ["q_buffer", "separate", "halves", "registers"])
 def test_head_dim_128_items_of_several_chunks(mode, output_staging):
   """M3's group shape (16 heads, D = 128: two 64-column output parts with "halves") over 38 queries of a
   700-token prefill, all selecting block 0 plus their own block: runs of up to 38 users in items of 3 chunks
@@ -98,6 +98,17 @@ def test_heads_per_group_not_a_multiple_of_8(mode, nq, nkv):
   q, k, v = _qkv(1, 4, nq, nkv, 64, 301, jnp.bfloat16, seed=2)
   ids = _selection(1, 4, nkv, 301, positions, topk=2)
   _run(mode, q, k, v, ids, positions, chunks_per_item=4)
+
+
+def test_registers_staging_needs_heads_per_group_dividing_64():
+  """24 heads per group: the wgmma tile holds 2 queries (48 of its 64 rows), so its rows are not whole
+  [24, D] slabs of a partial buffer laid out by 64-row chunks: a clear error, not a wrong gather."""
+  positions = jnp.array([[5, 130, 299, 300]], jnp.int32)
+  q, k, v = _qkv(1, 4, 48, 2, 64, 301, jnp.bfloat16, seed=2)
+  ids = _selection(1, 4, 2, 301, positions, topk=2)
+  with pytest.raises(ValueError, match="registers.*heads per group dividing 64, got 24"):
+    sparse_attention(q, k, v, ids, positions, block_size=128, scale=0.125, interpret=True,
+                     block_sizes=KvMajorBlockSizes(output_staging="registers"))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -138,12 +149,16 @@ def test_plan_covers_every_pair_once(query_panel):
     order_keys.append((it[ITEM_BATCH], it[ITEM_GROUP], queries[0] // panel, it[ITEM_BLOCK], queries[0]))
     assert (ids[it[ITEM_BATCH], queries, it[ITEM_GROUP], slots] == it[ITEM_BLOCK]).all()
     np.add.at(seen, (it[ITEM_BATCH], queries, it[ITEM_GROUP], slots), 1)
+    # item n's j-th pair writes slab n * C * Qc + j of a partial buffer laid out by (item, chunk)
+    np.testing.assert_array_equal(plan.pair_slab[it[ITEM_BATCH], queries, it[ITEM_GROUP], slots],
+                                  n * 2 * 4 + np.arange(len(queries)))
     limits = plan.chunk_limit[n].reshape(-1, 16)  # [C * Qc queries, 16 rows each]
     want = np.minimum(pos[it[ITEM_BATCH], queries], sk - 1)
     assert (limits[: len(queries)] == want[:, None]).all() and (limits[len(queries):] == -1).all()
   assert order_keys == sorted(order_keys)
   np.testing.assert_array_equal(seen, valid.astype(np.int32))
   np.testing.assert_array_equal(plan.valid, valid)
+  assert (plan.pair_slab[~valid] == 0).all()
 
 
 def test_prefers_kv_major_compares_block_loads_with_pairs():
