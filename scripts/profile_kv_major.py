@@ -2,7 +2,7 @@
 
   PYTHONPATH=$PWD python scripts/profile_kv_major.py [--size 32768] [--staging q_buffer] [--chunks 8]
   ncu --clock-control none -k regex:kv_major --launch-skip 2 --launch-count 1 --set full -o $OUT/kvm \
-    python3 scripts/profile_kv_major.py --calls 1
+    python3 scripts/profile_kv_major.py --calls 1 --no-breakdown
 
 Prints the CUPTI time of each kernel launch of one call (plan, the kernel's passes, the merge) and the result's
 relative L2 error against the XLA reference on the last --check queries. --calls N makes N calls in total
@@ -32,6 +32,7 @@ def main() -> None:
   ap.add_argument("--calls", type=int, default=3, help="calls in total; the breakdown is of the last")
   ap.add_argument("--check", type=int, default=512, help="queries checked against the XLA reference (0: none)")
   ap.add_argument("--interpret", action="store_true", help="CPU dry run in GPU interpret mode (small --size)")
+  ap.add_argument("--no-breakdown", action="store_true", help="plain calls, no CUPTI (under ncu)")
   args = ap.parse_args()
   s = args.size
   keys = jax.random.split(jax.random.key(0), 5)
@@ -48,6 +49,8 @@ def main() -> None:
   for _ in range(args.calls - 1):
     out = jax.block_until_ready(fn(q, k, v, ids, pos))
   try:
+    if args.no_breakdown:
+      raise RuntimeError("--no-breakdown")
     from jax.experimental.mosaic.gpu import profiler
     out, per_kernel = profiler.measure(fn, aggregate=False)(q, k, v, ids, pos)
     launches = [(name[:70], round(ms, 3)) for name, ms in per_kernel]
