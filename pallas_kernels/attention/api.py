@@ -189,7 +189,7 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, inter
   kp, vp = _pad_keys(k, v)
   o, lse = kv_major_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
                                      interpret=_interpret_params(interpret))
-  if block_sizes.output_staging == "registers":  # partials by (item, chunk): gather each pair's slab
+  if block_sizes.output_staging in ("registers", "q_buffer_one_store"):  # by (item, chunk): gather the pairs
     o = o.reshape(-1, hpg, o.shape[-1])[plan.pair_slab]
     lse = lse.reshape(-1, hpg)[plan.pair_slab]
   return _merge_kv_major(o, lse, plan.valid)

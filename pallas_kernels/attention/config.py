@@ -103,6 +103,9 @@ def heuristic_block_sizes(
   return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=3, num_splits=splits)
 
 
+_STAGINGS = ("q_buffer", "q_buffer_one_store", "separate", "halves", "registers")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class KvMajorBlockSizes:
   """Knobs of the KV-major sparse prefill (kernel_sm90_kv_major.py): the other loop order, for selections
@@ -123,6 +126,10 @@ class KvMajorBlockSizes:
     "halves": in a [64, 64] buffer, the output's column halves one after the other (104 KB per CTA, two
       CTAs per SM); a query buffer is refilled as soon as S = QK^T has read it, so the queries of two chunks
       load while one computes. Needs D % 64 == 0.
+    "q_buffer_one_store": as "q_buffer", but the chunk's output leaves in one [64, D] store (and its
+      log-sum-exps in one [64] store) into its own rows of a partial buffer laid out by (item, chunk), as
+      with "registers", instead of one store per query into the (query, group, slot) layout. Needs heads
+      per group dividing 64.
     "registers": none: each thread stores its part of the chunk's output and log-sum-exp straight from
       registers to global memory, into the chunk's own rows of a partial buffer laid out by (item, chunk)
       (no shared-memory staging, no TMA store to wait for; the merge gathers each pair's rows back). Query
@@ -147,9 +154,8 @@ class KvMajorBlockSizes:
   def __post_init__(self):
     if not 1 <= self.chunks_per_item <= 64:
       raise ValueError(f"chunks_per_item must be in [1, 64], got {self.chunks_per_item}")
-    if self.output_staging not in ("q_buffer", "separate", "halves", "registers"):
-      raise ValueError(
-          f"output_staging must be 'q_buffer', 'separate', 'halves' or 'registers', got {self.output_staging!r}")
+    if self.output_staging not in _STAGINGS:
+      raise ValueError(f"output_staging must be one of {_STAGINGS}, got {self.output_staging!r}")
     if self.query_chunk < 1:
       raise ValueError(f"query_chunk must be >= 1, got {self.query_chunk}")
     if self.query_panel is not None and self.query_panel < 1:

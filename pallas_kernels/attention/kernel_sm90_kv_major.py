@@ -74,13 +74,14 @@ def _kv_major_kernel(
     plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_barrier.at[stage])
 
   direct = staging == "registers"
+  by_chunk = staging in ("registers", "q_buffer_one_store")
   early_refill = staging in ("halves", "registers")
   part_width = o_smem.shape[-1] if o_smem is not None else head_dim
 
   def prefetch(chunk, stage):
     @pl.when(chunk < num_chunks)
     def _load():
-      if staging == "q_buffer":  # the previous chunk's output, in the buffer about to be refilled, has been read
+      if o_smem is None and not direct:  # the previous chunk's output, in the buffer to be refilled, has been read
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_chunk(chunk, stage)
 
@@ -109,10 +110,18 @@ def _kv_major_kernel(
     empty = l == 0.0
     out = (o / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), o.shape, [0])).astype(q_smem.dtype)
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
-    if direct:  # the chunk's 64 rows, padding rows included (their lse is -inf and no pair maps to them)
+    if by_chunk:  # the chunk's 64 rows, padding rows included (their lse is -inf and no pair maps to them)
       rows = pl.ds((item * chunks_per_item + chunk) * ROWS_PER_TILE, ROWS_PER_TILE)
-      o_ref.at[rows][...] = out
-      lse_ref.at[rows][...] = lse
+      if direct:
+        o_ref.at[rows][...] = out
+        lse_ref.at[rows][...] = lse
+      else:  # through the chunk's Q buffer: one store of the output, one of the log-sum-exps
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        q_smem.at[stage][...] = out
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[stage], o_ref.at[rows])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rows])
       return carry
     out_smem = q_smem.at[stage] if o_smem is None else o_smem
     for part in range(head_dim // part_width):
@@ -187,14 +196,15 @@ def kv_major_attention_pallas(
   if staging == "halves" and d % 64:
     raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
   direct = staging == "registers"
-  if direct and ROWS_PER_TILE % hpg:
-    raise ValueError(f"output_staging='registers' needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
+  by_chunk = staging in ("registers", "q_buffer_one_store")
+  if by_chunk and ROWS_PER_TILE % hpg:
+    raise ValueError(f"output_staging={staging!r} needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
   p_in_smem = bool(interpret)
   kernel = functools.partial(
       _kv_major_kernel, chunk_queries=qc, chunks_per_item=chunks, heads_per_group=hpg, scale=scale, head_dim=d,
       staging=staging,
   )
-  o_staging = {"q_buffer": None, "registers": None, "separate": (ROWS_PER_TILE, d),
+  o_staging = {"q_buffer": None, "q_buffer_one_store": None, "registers": None, "separate": (ROWS_PER_TILE, d),
                "halves": (ROWS_PER_TILE, 64)}[staging]
   tiled = dict(transforms=smem_transforms(q.dtype))
   scratch = [
@@ -213,7 +223,7 @@ def kv_major_attention_pallas(
       out_type=[
           jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE, d), q.dtype),
           jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE,), jnp.float32),
-      ] if direct else [
+      ] if by_chunk else [
           jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg, d), q.dtype),
           jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg), jnp.float32),
       ],

@@ -49,9 +49,11 @@ def test_m3_group_chunked_prefill(mode, dtype):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("output_staging,query_chunk,query_panel",
                          [("separate", 8192, None), ("q_buffer", 16, None), ("q_buffer", 8192, 12),
-                          ("halves", 8192, None), ("halves", 16, 12), ("registers", 16, 12)],
+                          ("halves", 8192, None), ("halves", 16, 12), ("registers", 16, 12),
+                          ("q_buffer_one_store", 16, 12)],
                          ids=["out_buffer_one_pass", "out_in_q_buffer_3_passes", "panels_of_12", "halves",
-                              "halves_3_passes_panels_of_12", "registers_3_passes_panels_of_12"])
+                              "halves_3_passes_panels_of_12", "registers_3_passes_panels_of_12",
+                              "one_store_3_passes_panels_of_12"])
 def test_long_runs_ragged_items_and_bad_ids(mode, output_staging, query_chunk, query_panel):
   """40 queries of a 600-token prefill: block 0 is selected by all of them (a run of 40 users: items of
   2 x 8 queries, the last ending mid-chunk), with -1 slots, a repeated id and an id past the keys (both
@@ -76,7 +78,8 @@ def test_long_runs_ragged_items_and_bad_ids(mode, output_staging, query_chunk, q
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("output_staging", ["q_buffer", "separate", "halves", "registers"])
+@pytest.mark.parametrize("output_staging", ["q_buffer", "separate", "halves", "registers",
+                                            "q_buffer_one_store"])
 def test_head_dim_128_items_of_several_chunks(mode, output_staging):
   """M3's group shape (16 heads, D = 128: two 64-column output parts with "halves") over 38 queries of a
   700-token prefill, all selecting block 0 plus their own block: runs of up to 38 users in items of 3 chunks

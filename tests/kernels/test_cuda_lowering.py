@@ -141,7 +141,7 @@ def test_kv_major_sparse_attention_lowers(dims: Dims, batch: int, new: int, cach
           _spec((batch, sk, dims.kv_heads, HEAD_DIM)), _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32),
           _positions(batch, new))
   # the default, 64-column output parts with early Q refills, and stores straight from registers
-  for staging in ("q_buffer", "halves", "registers"):
+  for staging in ("q_buffer", "halves", "registers", "q_buffer_one_store"):
     text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5,
                                                        block_sizes=KvMajorBlockSizes(output_staging=staging)), *args)
     assert f"m3_attention_kv_major_c8_{staging}" in text
