@@ -1,7 +1,7 @@
 """Runs the KV-major sparse prefill at M3 dims on random indexer selections: per-pass kernel times, and the
 times of variants that leave one stage of the kernel out (to place the time inside it without counters).
 
-  PYTHONPATH=$PWD python scripts/profile_kv_major.py [--size 32768] [--staging q_buffer] [--chunks 8] \
+  PYTHONPATH=$PWD python scripts/profile_kv_major.py [--size 32768] [--staging q_buffer] [--chunks 8] [--wgs 1] \
     [--ablations none,no_stores,no_pv,no_mask,no_wgmma]
   ncu --clock-control none -k regex:kv_major --launch-skip 2 --launch-count 1 --set full -o $OUT/kvm \
     python3 scripts/profile_kv_major.py --calls 1 --no-breakdown --ablations none
@@ -83,6 +83,7 @@ def main() -> None:
   ap.add_argument("--size", type=int, default=32768, help="prefill length (queries = keys)")
   ap.add_argument("--staging", default="q_buffer", help="KvMajorBlockSizes.output_staging")
   ap.add_argument("--chunks", type=int, default=8, help="KvMajorBlockSizes.chunks_per_item")
+  ap.add_argument("--wgs", type=int, default=1, help="KvMajorBlockSizes.compute_wgs")
   ap.add_argument("--ablations", default="none", help=f"comma list of {', '.join(ABLATIONS)}")
   ap.add_argument("--calls", type=int, default=3, help="calls per ablation; the times are of the last")
   ap.add_argument("--check", type=int, default=512, help="queries checked against the XLA reference (0: none)")
@@ -101,7 +102,7 @@ def main() -> None:
   v = jax.random.normal(keys[4], (1, s, NKV, D), jnp.bfloat16)
   pos = jnp.arange(s, dtype=jnp.int32)[None]
   ids = indexer_topk(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1, interpret=args.interpret)
-  bs = KvMajorBlockSizes(chunks_per_item=args.chunks, output_staging=args.staging)
+  bs = KvMajorBlockSizes(chunks_per_item=args.chunks, output_staging=args.staging, compute_wgs=args.wgs)
   call_args = (q, k, v, ids, pos)
   for name in names:
     with ablated(name):
@@ -109,7 +110,7 @@ def main() -> None:
                                      interpret=args.interpret))
       for _ in range(args.calls - 1):
         out = jax.block_until_ready(fn(*call_args))
-      row = dict(size=s, staging=args.staging, chunks=args.chunks, ablation=name)
+      row = dict(size=s, staging=args.staging, chunks=args.chunks, wgs=args.wgs, ablation=name)
       try:
         if args.no_breakdown:
           raise RuntimeError("--no-breakdown")

@@ -138,6 +138,9 @@ class KvMajorBlockSizes:
     Measured on an H100 (M3 dims, random selections): kernel 6.75 ("q_buffer") vs 9.85 ms ("separate") at
     32K, 27.8 vs 40.1 ms at 128K; "halves" 1.85 vs 1.73 ms per pass of 8192 queries for "q_buffer" (+7 %:
     early query loads do not pay for the second round of output stores).
+  compute_wgs: warpgroups per CTA, sharing the block's K and V, each taking every W-th chunk of the item
+    with its own two query buffers (W = 1: 96 KB per CTA with "q_buffer", two CTAs per SM; W = 3: 160 KB,
+    one CTA per SM running three chunks at a time).
   query_chunk: at most this many queries (over the batch) per pass: the partial outputs of a pass take
     query_chunk x KV groups x T x heads per group x D x 2 B (8192 queries of M3: 2.1 GB); longer prefills
     run in several passes.
@@ -148,6 +151,7 @@ class KvMajorBlockSizes:
 
   chunks_per_item: int = 8
   output_staging: str = "q_buffer"
+  compute_wgs: int = 1
   query_chunk: int = 8192
   query_panel: int | None = None
 
@@ -158,5 +162,7 @@ class KvMajorBlockSizes:
       raise ValueError(f"output_staging must be one of {_STAGINGS}, got {self.output_staging!r}")
     if self.query_chunk < 1:
       raise ValueError(f"query_chunk must be >= 1, got {self.query_chunk}")
+    if not 1 <= self.compute_wgs <= 4:
+      raise ValueError(f"compute_wgs must be in [1, 4], got {self.compute_wgs}")
     if self.query_panel is not None and self.query_panel < 1:
       raise ValueError(f"query_panel must be >= 1 or None, got {self.query_panel}")

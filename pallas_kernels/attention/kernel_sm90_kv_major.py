@@ -1,7 +1,8 @@
-"""KV-major block-sparse GQA attention for Hopper (Pallas Mosaic GPU, one warpgroup per CTA).
+"""KV-major block-sparse GQA attention for Hopper (Pallas Mosaic GPU, one or more warpgroups per CTA).
 
 One CTA owns a work item of plan_kv_major.py: one key block of one KV group and up to C chunks of the
-queries that selected it. It loads the block's K and V once, then for each chunk of Qc queries (the wgmma
+queries that selected it. It loads the block's K and V once, then (its W compute warpgroups taking turns:
+warpgroup w takes chunks w, w + W, ..., each with its own query buffers) for each chunk of Qc queries (the wgmma
 rows are Qc queries x the group's heads: 4 x 16 = 64 for M3), with the next chunks' queries loading
 meanwhile (two Q buffers; KvMajorBlockSizes.output_staging sets how early a buffer is refilled):
 
@@ -39,6 +40,7 @@ def _kv_major_kernel(
     q_ref, k_ref, v_ref, items_ref, pair_query_ref, pair_slot_ref, chunk_limit_ref, o_ref, lse_ref,
     k_smem, v_smem, q_smem, limit_smem, o_smem, lse_smem, p_smem, kv_barrier, q_barrier, *,
     chunk_queries: int, chunks_per_item: int, heads_per_group: int, scale: float, head_dim: int, staging: str,
+    compute_wgs: int,
 ):
   """Refs (gmem unless noted):
 
@@ -47,12 +49,14 @@ def _kv_major_kernel(
   outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
     with staging "registers": o_ref [N * C * 64, D], lse_ref fp32 [N * C * 64] (rows of chunk c of item i
     at (i * C + c) * 64);
-  scratch (smem): k_smem, v_smem [128, D]; q_smem [2, 64, D]; limit_smem int32 [2, 64]; o_smem: None
-  (staging "q_buffer": a chunk's output goes to its own Q buffer, and the prefetch into a buffer first waits
-  for the stores out of it; "registers": no staging), [64, D] ("separate") or [64, 64] ("halves": the
-  output leaves in 64-column parts); with "halves" and "registers" the buffer of chunk c is refilled with
-  chunk c + 2 right after S = QK^T; lse_smem fp32 [64] (None with "registers"); p_smem [64, 128] (None: P
-  stays in registers); kv_barrier (2 arrivals); q_barrier (2 barriers of Qc + 1 arrivals).
+  scratch (smem; W = compute_wgs, the leading W axes are per warpgroup): k_smem, v_smem [128, D]; q_smem
+  [W, 2, 64, D]; limit_smem int32 [W, 2, 64]; o_smem: None (staging "q_buffer": a chunk's output goes to its
+  own Q buffer, and the prefetch into a buffer first waits for the stores out of it; "registers": no
+  staging), [W, 64, D] ("separate") or [W, 64, 64] ("halves": the output leaves in 64-column parts); with
+  "halves" and "registers" the buffer of a warpgroup's chunk c is refilled with its chunk c + 2W right
+  after S = QK^T; lse_smem fp32 [W, 64] (None with "registers"); p_smem [W, 64, 128] (None: P stays in
+  registers); kv_barrier (2 arrivals); q_barrier (2W barriers of Qc + 1 arrivals: stage s of warpgroup w
+  is barrier 2w + s).
   """
   item = lax.axis_index("item")
   batch = items_ref[item, ITEM_BATCH]
@@ -62,6 +66,15 @@ def _kv_major_kernel(
   count = items_ref[item, ITEM_COUNT]
   heads = pl.ds(group * heads_per_group, heads_per_group)
   num_chunks = lax.div(count + chunk_queries - 1, chunk_queries)
+  # Warpgroup w of W takes the item's chunks w, w + W, ...; the per-warpgroup scratch is indexed by w.
+  wg = lax.axis_index("wg") if compute_wgs > 1 else 0
+  q_smem, limit_smem = q_smem.at[wg], limit_smem.at[wg]
+  o_smem = None if o_smem is None else o_smem.at[wg]
+  lse_smem = None if lse_smem is None else lse_smem.at[wg]
+  p_smem = None if p_smem is None else p_smem.at[wg]
+
+  def q_ready(stage):
+    return q_barrier.at[wg * 2 + stage]
 
   def load_chunk(chunk, stage):
     for r in range(chunk_queries):  # rows past the item's pairs load its last query (their rows are masked)
@@ -69,9 +82,9 @@ def _kv_major_kernel(
       plgpu.copy_gmem_to_smem(
           q_ref.at[batch, pair_query_ref[pair], heads],
           q_smem.at[stage, pl.ds(r * heads_per_group, heads_per_group)],
-          q_barrier.at[stage],
+          q_ready(stage),
       )
-    plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_barrier.at[stage])
+    plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_ready(stage))
 
   direct = staging == "registers"
   by_chunk = staging in ("registers", "q_buffer_one_store")
@@ -85,12 +98,13 @@ def _kv_major_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       load_chunk(chunk, stage)
 
-  def chunk_body(chunk, carry):
-    stage = lax.rem(chunk, 2)
+  def chunk_body(step, carry):
+    chunk = wg + step * compute_wgs
+    stage = lax.rem(step, 2)
     if not early_refill:
-      prefetch(chunk + 1, 1 - stage)
+      prefetch(chunk + compute_wgs, 1 - stage)
 
-    plgpu.barrier_wait(q_barrier.at[stage])
+    plgpu.barrier_wait(q_ready(stage))
 
     def qk_scope(acc_ref):
       plgpu.wgmma(acc_ref, q_smem.at[stage], k_smem.transpose((1, 0)))
@@ -100,7 +114,7 @@ def _kv_major_kernel(
     s = mask_invisible_keys(s, plgpu.load(limit_smem.at[stage], layout=ROW_LAYOUT), block)
     if early_refill:  # every thread is past its reads of this stage's Q (wgmma) and limits: refill it
       plgpu.commit_smem()
-      prefetch(chunk + 2, stage)
+      prefetch(chunk + 2 * compute_wgs, stage)
     c = scale * LOG2E
     m = s.max(axis=1) * c
     m_safe = jnp.where(m == -jnp.inf, 0.0, m)
@@ -150,13 +164,18 @@ def _kv_major_kernel(
   @pl.when(count > 0)
   def _work():
     kv = pl.ds(block * KEY_BLOCK, KEY_BLOCK)
-    plgpu.copy_gmem_to_smem(k_ref.at[batch, kv, group], k_smem, kv_barrier.at[0])
-    plgpu.copy_gmem_to_smem(v_ref.at[batch, kv, group], v_smem, kv_barrier.at[0])
-    load_chunk(0, 0)
+
+    @pl.when(wg == 0)
+    def _load_kv():
+      plgpu.copy_gmem_to_smem(k_ref.at[batch, kv, group], k_smem, kv_barrier.at[0])
+      plgpu.copy_gmem_to_smem(v_ref.at[batch, kv, group], v_smem, kv_barrier.at[0])
+
+    prefetch(wg, 0)
     if early_refill:
-      prefetch(1, 1)
+      prefetch(wg + compute_wgs, 1)
     plgpu.barrier_wait(kv_barrier.at[0])
-    lax.fori_loop(0, num_chunks, chunk_body, 0)
+    steps = lax.div(num_chunks - wg + compute_wgs - 1, compute_wgs)
+    lax.fori_loop(0, steps, chunk_body, 0)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -200,9 +219,10 @@ def kv_major_attention_pallas(
   if by_chunk and ROWS_PER_TILE % hpg:
     raise ValueError(f"output_staging={staging!r} needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
   p_in_smem = bool(interpret)
+  wgs = block_sizes.compute_wgs
   kernel = functools.partial(
       _kv_major_kernel, chunk_queries=qc, chunks_per_item=chunks, heads_per_group=hpg, scale=scale, head_dim=d,
-      staging=staging,
+      staging=staging, compute_wgs=wgs,
   )
   o_staging = {"q_buffer": None, "q_buffer_one_store": None, "registers": None, "separate": (ROWS_PER_TILE, d),
                "halves": (ROWS_PER_TILE, 64)}[staging]
@@ -210,13 +230,13 @@ def kv_major_attention_pallas(
   scratch = [
       plgpu.SMEM((KEY_BLOCK, d), k.dtype, **tiled),
       plgpu.SMEM((KEY_BLOCK, d), v.dtype, **tiled),
-      plgpu.SMEM((2, ROWS_PER_TILE, d), q.dtype, **tiled),
-      plgpu.SMEM((2, ROWS_PER_TILE), jnp.int32),
-      None if o_staging is None else plgpu.SMEM(o_staging, q.dtype, **tiled),
-      None if direct else plgpu.SMEM((ROWS_PER_TILE,), jnp.float32),
-      plgpu.SMEM((ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
+      plgpu.SMEM((wgs, 2, ROWS_PER_TILE, d), q.dtype, **tiled),
+      plgpu.SMEM((wgs, 2, ROWS_PER_TILE), jnp.int32),
+      None if o_staging is None else plgpu.SMEM((wgs, *o_staging), q.dtype, **tiled),
+      None if direct else plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32),
+      plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1),
-      plgpu.Barrier(num_arrivals=qc + 1, num_barriers=2),
+      plgpu.Barrier(num_arrivals=qc + 1, num_barriers=2 * wgs),
   ]
   o, lse = plgpu.kernel(
       kernel,
@@ -229,9 +249,10 @@ def kv_major_attention_pallas(
       ],
       grid=(n_items,),
       grid_names=("item",),
+      **(dict(num_threads=wgs, thread_name="wg") if wgs > 1 else {}),
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-      kernel_name=f"m3_attention_kv_major_c{chunks}_{staging}",
+      kernel_name=f"m3_attention_kv_major_c{chunks}_{staging}" + (f"_w{wgs}" if wgs > 1 else ""),
   )(q, k, v, plan.items, plan.pair_query, plan.pair_slot, plan.chunk_limit)
   return o, lse

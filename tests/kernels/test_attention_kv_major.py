@@ -24,10 +24,10 @@ MODES = kernel_modes.MODES
 
 
 def _run(mode, q, k, v, ids, positions, chunks_per_item, output_staging="q_buffer", query_chunk=8192,
-         query_panel=None):
+         query_panel=None, compute_wgs=1):
   kw = dict(block_size=128, scale=q.shape[-1] ** -0.5)
   blocks = KvMajorBlockSizes(chunks_per_item=chunks_per_item, output_staging=output_staging,
-                             query_chunk=query_chunk, query_panel=query_panel)
+                             query_chunk=query_chunk, query_panel=query_panel, compute_wgs=compute_wgs)
   got = sparse_attention(q, k, v, ids, positions, interpret=(mode == "interpret"), block_sizes=blocks, **kw)
   ref = sparse_attention_reference(q, k, v, ids, positions, **kw)
   _assert_close(got, ref, q.dtype)
@@ -92,6 +92,23 @@ def test_head_dim_128_items_of_several_chunks(mode, output_staging):
   ids[0, ::4, 1, 2] = 2
   q, k, v = _qkv(1, 38, 32, 2, 128, 700, jnp.bfloat16, seed=12)
   _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=3, output_staging=output_staging)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("compute_wgs,output_staging", [(2, "q_buffer"), (3, "q_buffer"), (3, "halves")])
+def test_warpgroups_share_an_item(mode, compute_wgs, output_staging):
+  """W warpgroups per CTA take turns on an item's chunks: runs of up to 38 users of block 0 in items of 5
+  chunks of 4 queries (warpgroup 0 of 3 takes chunks 0 and 3, warpgroup 2 only chunk 2), and items of
+  fewer chunks than warpgroups (the runs of the queries' own blocks), where some warpgroups have none."""
+  rng = np.random.default_rng(9)
+  pos = np.sort(rng.choice(np.arange(0, 700), 38, replace=False)).astype(np.int32)
+  ids = np.full((1, 38, 2, 3), -1, np.int32)
+  ids[0, :, :, 0] = 0
+  ids[0, :, :, 1] = pos[:, None] // 128
+  ids[0, ::4, 1, 2] = 2
+  q, k, v = _qkv(1, 38, 32, 2, 128, 700, jnp.bfloat16, seed=13)
+  _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=5, output_staging=output_staging,
+       compute_wgs=compute_wgs)
 
 
 @pytest.mark.parametrize("mode", MODES)
