@@ -84,6 +84,8 @@ def main() -> None:
   ap.add_argument("--staging", default="q_buffer", help="KvMajorBlockSizes.output_staging")
   ap.add_argument("--chunks", type=int, default=8, help="KvMajorBlockSizes.chunks_per_item")
   ap.add_argument("--wgs", type=int, default=1, help="KvMajorBlockSizes.compute_wgs")
+  ap.add_argument("--configs", default=None, metavar="W:C:STAGING,...",
+                  help="several (compute_wgs, chunks_per_item, output_staging) in one process (overrides the three)")
   ap.add_argument("--ablations", default="none", help=f"comma list of {', '.join(ABLATIONS)}")
   ap.add_argument("--calls", type=int, default=3, help="calls per ablation; the times are of the last")
   ap.add_argument("--check", type=int, default=512, help="queries checked against the XLA reference (0: none)")
@@ -102,34 +104,49 @@ def main() -> None:
   v = jax.random.normal(keys[4], (1, s, NKV, D), jnp.bfloat16)
   pos = jnp.arange(s, dtype=jnp.int32)[None]
   ids = indexer_topk(idx_q, idx_k, pos, block_size=BLOCK, topk=TOPK, local_blocks=1, interpret=args.interpret)
-  bs = KvMajorBlockSizes(chunks_per_item=args.chunks, output_staging=args.staging, compute_wgs=args.wgs)
+  if args.configs:
+    configs = [(int(w), int(c), staging) for w, c, staging in (x.split(":") for x in args.configs.split(","))]
+  else:
+    configs = [(args.wgs, args.chunks, args.staging)]
   call_args = (q, k, v, ids, pos)
-  for name in names:
-    with ablated(name):
-      fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=D ** -0.5, block_sizes=bs,
-                                     interpret=args.interpret))
-      for _ in range(args.calls - 1):
-        out = jax.block_until_ready(fn(*call_args))
-      row = dict(size=s, staging=args.staging, chunks=args.chunks, wgs=args.wgs, ablation=name)
-      try:
-        if args.no_breakdown:
-          raise RuntimeError("--no-breakdown")
-        from jax.experimental.mosaic.gpu import profiler
-        out, per_kernel = profiler.measure(fn, aggregate=False)(*call_args)
-        passes = [ms for kernel, ms in per_kernel if "kv_major" in kernel]
-        row.update(kernel_ms=[round(ms, 3) for ms in passes], kernel_median_ms=round(statistics.median(passes), 3),
-                   merge_ms=round(sum(ms for kernel, ms in per_kernel if "dynamic_update_slice" in kernel), 3),
-                   call_ms=round(sum(ms for _, ms in per_kernel), 3))
-      except Exception as e:  # noqa: BLE001 - no CUPTI (interpret mode, ncu): the call still runs
-        out = jax.block_until_ready(fn(*call_args))
-        row["breakdown"] = f"none: {type(e).__name__}: {e}"[:120]
-      if name == "none" and args.check:
-        n = args.check
-        ref = sparse_attention_reference(q[:, -n:], k, v, ids[:, -n:], pos[:, -n:], block_size=BLOCK,
-                                         scale=D ** -0.5)
-        row["rel_err_last_queries"] = float(jnp.linalg.norm(out[:, -n:].astype(jnp.float32) - ref)
-                                            / jnp.linalg.norm(ref))
+  for (wgs, chunks, staging), name in ((config, name) for config in configs for name in names):
+    bs = KvMajorBlockSizes(chunks_per_item=chunks, output_staging=staging, compute_wgs=wgs)
+    row = dict(size=s, staging=staging, chunks=chunks, wgs=wgs, ablation=name)
+    try:
+      row.update(_measure(name, bs, call_args, args))
+    except Exception as e:  # noqa: BLE001 - one failing configuration does not stop the others
+      row["error"] = f"{type(e).__name__}: {e}"[:300]
     print(json.dumps(row), flush=True)
+
+
+def _measure(name: str, bs: KvMajorBlockSizes, call_args, args) -> dict:
+  """Times one configuration under one ablation (and checks it when the ablation is "none")."""
+  q, k, v, ids, pos = call_args
+  row = {}
+  with ablated(name):
+    fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=D ** -0.5, block_sizes=bs,
+                                   interpret=args.interpret))
+    for _ in range(args.calls - 1):
+      out = jax.block_until_ready(fn(*call_args))
+    try:
+      if args.no_breakdown:
+        raise RuntimeError("--no-breakdown")
+      from jax.experimental.mosaic.gpu import profiler
+      out, per_kernel = profiler.measure(fn, aggregate=False)(*call_args)
+      passes = [ms for kernel, ms in per_kernel if "kv_major" in kernel]
+      row.update(kernel_ms=[round(ms, 3) for ms in passes], kernel_median_ms=round(statistics.median(passes), 3),
+                 merge_ms=round(sum(ms for kernel, ms in per_kernel if "dynamic_update_slice" in kernel), 3),
+                 call_ms=round(sum(ms for _, ms in per_kernel), 3))
+    except Exception as e:  # noqa: BLE001 - no CUPTI (interpret mode, ncu): the call still runs
+      out = jax.block_until_ready(fn(*call_args))
+      row["breakdown"] = f"none: {type(e).__name__}: {e}"[:120]
+    if name == "none" and args.check:
+      n = args.check
+      ref = sparse_attention_reference(q[:, -n:], k, v, ids[:, -n:], pos[:, -n:], block_size=BLOCK,
+                                       scale=D ** -0.5)
+      row["rel_err_last_queries"] = float(jnp.linalg.norm(out[:, -n:].astype(jnp.float32) - ref)
+                                          / jnp.linalg.norm(ref))
+  return row
 
 
 if __name__ == "__main__":
