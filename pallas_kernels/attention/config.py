@@ -103,7 +103,7 @@ def heuristic_block_sizes(
   return SparseAttentionBlockSizes(queries_per_tile=per_tile, kv_stages=3, num_splits=splits)
 
 
-_STAGINGS = ("q_buffer", "q_buffer_one_store", "separate", "halves", "registers")
+_STAGINGS = ("q_buffer", "q_buffer_one_store", "separate", "separate_one_store", "halves", "registers")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,6 +130,10 @@ class KvMajorBlockSizes:
       log-sum-exps in one [64] store) into its own rows of a partial buffer laid out by (item, chunk), as
       with "registers", instead of one store per query into the (query, group, slot) layout. Needs heads
       per group dividing 64.
+    "separate_one_store": in a [64, D] buffer of its own per warpgroup, leaving in one store into the
+      (item, chunk) layout as "q_buffer_one_store"; a query buffer is refilled right after S = QK^T (two
+      chunks of the warpgroup ahead), as with "halves". 112 KB per CTA with one warpgroup (one CTA per SM),
+      208 KB with three. Needs heads per group dividing 64.
     "registers": none: each thread stores its part of the chunk's output and log-sum-exp straight from
       registers to global memory, into the chunk's own rows of a partial buffer laid out by (item, chunk)
       (no shared-memory staging, no TMA store to wait for; the merge gathers each pair's rows back). Query

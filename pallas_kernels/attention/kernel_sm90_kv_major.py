@@ -87,8 +87,8 @@ def _kv_major_kernel(
     plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_ready(stage))
 
   direct = staging == "registers"
-  by_chunk = staging in ("registers", "q_buffer_one_store")
-  early_refill = staging in ("halves", "registers")
+  by_chunk = staging in ("registers", "q_buffer_one_store", "separate_one_store")
+  early_refill = staging in ("halves", "registers", "separate_one_store")
   part_width = o_smem.shape[-1] if o_smem is not None else head_dim
 
   def prefetch(chunk, stage):
@@ -129,12 +129,13 @@ def _kv_major_kernel(
       if direct:
         o_ref.at[rows][...] = out
         lse_ref.at[rows][...] = lse
-      else:  # through the chunk's Q buffer: one store of the output, one of the log-sum-exps
+      else:  # through the chunk's Q buffer or the output buffer: one store of the output, one of the lse
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        q_smem.at[stage][...] = out
+        out_smem = q_smem.at[stage] if o_smem is None else o_smem
+        out_smem[...] = out
         lse_smem[...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[stage], o_ref.at[rows])
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[rows])
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[rows])
       return carry
     out_smem = q_smem.at[stage] if o_smem is None else o_smem
@@ -215,7 +216,7 @@ def kv_major_attention_pallas(
   if staging == "halves" and d % 64:
     raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
   direct = staging == "registers"
-  by_chunk = staging in ("registers", "q_buffer_one_store")
+  by_chunk = staging in ("registers", "q_buffer_one_store", "separate_one_store")
   if by_chunk and ROWS_PER_TILE % hpg:
     raise ValueError(f"output_staging={staging!r} needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
   p_in_smem = bool(interpret)
@@ -225,6 +226,7 @@ def kv_major_attention_pallas(
       staging=staging, compute_wgs=wgs,
   )
   o_staging = {"q_buffer": None, "q_buffer_one_store": None, "registers": None, "separate": (ROWS_PER_TILE, d),
+               "separate_one_store": (ROWS_PER_TILE, d),
                "halves": (ROWS_PER_TILE, 64)}[staging]
   tiled = dict(transforms=smem_transforms(q.dtype))
   scratch = [

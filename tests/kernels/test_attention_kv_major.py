@@ -95,7 +95,8 @@ def test_head_dim_128_items_of_several_chunks(mode, output_staging):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("compute_wgs,output_staging", [(2, "q_buffer"), (3, "q_buffer"), (3, "halves")])
+@pytest.mark.parametrize("compute_wgs,output_staging", [(2, "q_buffer"), (3, "q_buffer"), (3, "halves"),
+                                                        (3, "q_buffer_one_store"), (2, "separate_one_store")])
 def test_warpgroups_share_an_item(mode, compute_wgs, output_staging):
   """W warpgroups per CTA take turns on an item's chunks: runs of up to 38 users of block 0 in items of 5
   chunks of 4 queries (warpgroup 0 of 3 takes chunks 0 and 3, warpgroup 2 only chunk 2), and items of

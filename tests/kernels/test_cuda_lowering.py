@@ -146,8 +146,9 @@ def test_kv_major_sparse_attention_lowers(dims: Dims, batch: int, new: int, cach
                                                        block_sizes=KvMajorBlockSizes(output_staging=staging)), *args)
     assert f"m3_attention_kv_major_c8_{staging}" in text
   text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5,
-                                                     block_sizes=KvMajorBlockSizes(compute_wgs=3)), *args)
-  assert "m3_attention_kv_major_c8_q_buffer_w3" in text  # three warpgroups sharing each block's K and V
+                                                     block_sizes=KvMajorBlockSizes(
+                                                         compute_wgs=3, output_staging="separate_one_store")), *args)
+  assert "m3_attention_kv_major_c8_separate_one_store_w3" in text  # three warpgroups sharing each block's K and V
   if dims is FULL and cached == 0:
     text = _lower_for_cuda(lambda *a: sparse_attention(*a, block_size=BLOCK, scale=HEAD_DIM ** -0.5), *args)
     assert "m3_attention_kv_major" in text and "m3_attention_ws" in text
