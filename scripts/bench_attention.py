@@ -419,8 +419,9 @@ def main():
   kv_major = [(f"KV-major, {c} chunks per CTA, output staged in {where}",
                KvMajorBlockSizes(chunks_per_item=c, output_staging=where))
               for c, where in ((8, "q_buffer"), (8, "separate"), (8, "halves"), (8, "registers"), (8, "q_buffer_one_store"), (16, "q_buffer"))]
-  kv_major += [(f"KV-major, {c} chunks per CTA, {w} warpgroups", KvMajorBlockSizes(chunks_per_item=c, compute_wgs=w))
-               for c, w in ((12, 3), (24, 3), (16, 2))]
+  kv_major += [(f"KV-major, {c} chunks per CTA, {w} warpgroups, output staged in {where}",
+                KvMajorBlockSizes(chunks_per_item=c, compute_wgs=w, output_staging=where))
+               for c, w, where in ((36, 3, "separate_one_store"), (24, 3, "q_buffer_one_store"), (24, 3, "q_buffer"))]
   kv_major += [(f"KV-major, panels of {n} queries{', output staged in halves' if h else ''}",
                 KvMajorBlockSizes(query_panel=n, output_staging="halves" if h else "q_buffer"))
                for n in map(int, filter(None, args.kv_panels.split(","))) for h in (False, True)]

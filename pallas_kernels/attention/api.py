@@ -25,7 +25,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
 from pallas_kernels.attention.config import SparseAttentionBlockSizes
-from pallas_kernels.attention.config import heuristic_block_sizes, one_warpgroup_queries_per_tile
+from pallas_kernels.attention.config import heuristic_block_sizes, kv_major_block_sizes
+from pallas_kernels.attention.config import one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_kv_major import kv_major_attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
@@ -263,7 +264,7 @@ def _sparse_prefill_either_order(q, k, v, block_ids, q_positions, *, scale, bloc
                        check_users=True, interpret=interpret)
 
   def kv_major(q, k, v, block_ids, q_positions):
-    return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=KvMajorBlockSizes(),
+    return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=kv_major_block_sizes(hpg),
                          interpret=interpret)
 
   return jax.lax.cond(prefers_kv_major(plan.count, pairs), kv_major, query_major, q, k, v, block_ids, q_positions)
