@@ -232,9 +232,11 @@ def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interp
 # ~11-13 ns each on an H100, L2-bound), the KV-major one per selected (query, group, block) pair (~5.0 ns:
 # its Q gather, partial output and merge, HBM-bound). bench_attention.py, M3 dims, H100, 32K and 128K:
 # query-major 12.9 / 71.6 ms on random selections (loads / pairs 0.58 / 0.79), 7.8 / 37.7 ms on correlated
-# ones (0.30 / 0.37); KV-major 10.3 / 41.8 ms on both; the locality sweep crosses over at 7 private blocks
-# per query (0.43: 10.2 vs 10.3 ms).
-KV_MAJOR_LOAD_RATIO = 0.44
+# ones (0.30 / 0.37); KV-major (one warpgroup, "q_buffer") 10.3 / 41.8 ms on both: the locality sweep crossed
+# over at 7 private blocks per query (0.43). With kv_major_block_sizes (3 warpgroups, "separate_one_store";
+# 9.4 ms at 32K whatever the overlap, H100, thirty-first session) it crosses at ~6 (query-major 8.02 ms at 4
+# private blocks, loads / pairs 0.32; 10.16 ms at 7, 0.43; interpolated 9.42 ms at ~0.40).
+KV_MAJOR_LOAD_RATIO = 0.40
 
 
 def prefers_kv_major(list_count: jax.Array, pairs: jax.Array) -> jax.Array:
