@@ -141,7 +141,9 @@ class KvMajorBlockSizes:
       dividing 64.
     Measured on an H100 (M3 dims, random selections): kernel 6.75 ("q_buffer") vs 9.85 ms ("separate") at
     32K, 27.8 vs 40.1 ms at 128K; "halves" 1.85 vs 1.73 ms per pass of 8192 queries for "q_buffer" (+7 %:
-    early query loads do not pay for the second round of output stores).
+    early query loads do not pay for the second round of output stores); "registers" 2.15-2.45 ms per pass
+    (slower), "q_buffer_one_store" 1.53; with 3 warpgroups and 36 chunks "separate_one_store" 1.34 (the
+    tuned default, kv_major_block_sizes).
   compute_wgs: warpgroups per CTA, sharing the block's K and V, each taking every W-th chunk of the item
     with its own two query buffers (W = 1: 96 KB per CTA with "q_buffer", two CTAs per SM; W = 3: 160 KB,
     one CTA per SM running three chunks at a time).
