@@ -173,6 +173,15 @@ class KvMajorBlockSizes:
     if self.query_panel is not None and self.query_panel < 1:
       raise ValueError(f"query_panel must be >= 1 or None, got {self.query_panel}")
 
+  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    """K and V of the block + per warpgroup: two query buffers, their row limits, the output staging buffer
+    and the log-sum-exps (+ 4 KB for barriers and the alignment of swizzled buffers, as
+    SparseAttentionBlockSizes.smem_bytes)."""
+    staging_cols = {"separate": head_dim, "separate_one_store": head_dim, "halves": 64}.get(self.output_staging, 0)
+    lse = 0 if self.output_staging == "registers" else ROWS_PER_TILE * 4
+    per_wg = (2 * head_dim + staging_cols) * ROWS_PER_TILE * itemsize + 2 * ROWS_PER_TILE * 4 + lse
+    return 2 * KEY_BLOCK * head_dim * itemsize + self.compute_wgs * per_wg + 4096
+
 
 def kv_major_block_sizes(heads_per_group: int) -> KvMajorBlockSizes:
   """The KV-major prefill's tuned knobs (sparse_attention's default when it picks this loop order).

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, KvMajorBlockSizes
+from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
 from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, p_times_v, smem_transforms
 from pallas_kernels.attention.plan_kv_major import (
     ITEM_BATCH, ITEM_BLOCK, ITEM_COUNT, ITEM_GROUP, ITEM_START, KvMajorPlan, queries_per_chunk,
@@ -213,6 +213,9 @@ def kv_major_attention_pallas(
       or chunks != block_sizes.chunks_per_item or plan.valid.shape != (b, sq_pad, nkv, t)):
     raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {plan.chunk_limit.shape=}, {plan.valid.shape=}")
   staging = block_sizes.output_staging
+  if block_sizes.smem_bytes(d, q.dtype.itemsize) > SMEM_LIMIT_BYTES:
+    raise ValueError(f"{block_sizes} needs {block_sizes.smem_bytes(d, q.dtype.itemsize)} B of shared memory for "
+                     f"head dim {d}, over the {SMEM_LIMIT_BYTES} B of an SM: use fewer warpgroups")
   if staging == "halves" and d % 64:
     raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
   direct = staging == "registers"

@@ -121,6 +121,21 @@ def test_heads_per_group_not_a_multiple_of_8(mode, nq, nkv):
   _run(mode, q, k, v, ids, positions, chunks_per_item=4)
 
 
+def test_shared_memory_over_an_sm_is_refused_before_launch():
+  """Four warpgroups each with its own output buffer (264 KB at D = 128) do not fit an SM: a clear error naming
+  the knobs, not a failed compile on the GPU. The measured configurations fit (215 KB for the default)."""
+  from pallas_kernels.attention.config import SMEM_LIMIT_BYTES, kv_major_block_sizes
+
+  assert kv_major_block_sizes(16).smem_bytes(128) <= SMEM_LIMIT_BYTES
+  assert KvMajorBlockSizes(compute_wgs=4).smem_bytes(128) <= SMEM_LIMIT_BYTES  # 4 x "q_buffer" ran (H100)
+  positions = jnp.array([[5, 130, 299, 300]], jnp.int32)
+  q, k, v = _qkv(1, 4, 32, 2, 128, 301, jnp.bfloat16, seed=2)
+  ids = _selection(1, 4, 2, 301, positions, topk=2)
+  with pytest.raises(ValueError, match="compute_wgs=4.*shared memory for head dim 128.*fewer warpgroups"):
+    sparse_attention(q, k, v, ids, positions, block_size=128, scale=0.125, interpret=True,
+                     block_sizes=KvMajorBlockSizes(output_staging="separate_one_store", compute_wgs=4))
+
+
 def test_registers_staging_needs_heads_per_group_dividing_64():
   """24 heads per group: the wgmma tile holds 2 queries (48 of its 64 rows), so its rows are not whole
   [24, D] slabs of a partial buffer laid out by 64-row chunks: a clear error, not a wrong gather."""
