@@ -12,8 +12,8 @@ meanwhile (two Q buffers; KvMajorBlockSizes.output_staging sets how early a buff
   O = P . V_blk / l                                           (wgmma, fp32; P in the input dtype)
 
 and stores O (input dtype) and lse = m + log2(l) (fp32) into the (query, group, slot) entry of the partial
-outputs, or (output_staging "registers") straight from registers into the chunk's own 64 rows of a partial
-buffer laid out by (item, chunk), which plan.pair_slab maps back to the pairs. api.py merges each query's
+outputs, or (output_staging "q_buffer_one_store", "separate_one_store", "registers") in one piece into the
+chunk's own 64 rows of a partial buffer laid out by (item, chunk), which plan.pair_slab maps back to the pairs. api.py merges each query's
 partials with their log-sum-exp. Every wgmma row belongs to a selected (query, block) pair, whatever the
 selections' overlap; the price is the partial outputs' traffic.
 """
@@ -47,14 +47,14 @@ def _kv_major_kernel(
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; items_ref int32 [N, 5]; pair_query_ref,
   pair_slot_ref int32 [P]; chunk_limit_ref int32 [N, C, 64];
   outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
-    with staging "registers": o_ref [N * C * 64, D], lse_ref fp32 [N * C * 64] (rows of chunk c of item i
-    at (i * C + c) * 64);
+    with the stagings laid out by chunk ("*_one_store", "registers"): o_ref [N * C * 64, D], lse_ref fp32
+    [N * C * 64] (rows of chunk c of item i at (i * C + c) * 64);
   scratch (smem; W = compute_wgs, the leading W axes are per warpgroup): k_smem, v_smem [128, D]; q_smem
   [W, 2, 64, D]; limit_smem int32 [W, 2, 64]; o_smem: None (staging "q_buffer": a chunk's output goes to its
   own Q buffer, and the prefetch into a buffer first waits for the stores out of it; "registers": no
-  staging), [W, 64, D] ("separate") or [W, 64, 64] ("halves": the output leaves in 64-column parts); with
-  "halves" and "registers" the buffer of a warpgroup's chunk c is refilled with its chunk c + 2W right
-  after S = QK^T; lse_smem fp32 [W, 64] (None with "registers"); p_smem [W, 64, 128] (None: P stays in
+  staging), [W, 64, D] ("separate", "separate_one_store") or [W, 64, 64] ("halves": the output leaves in
+  64-column parts); with "halves", "separate_one_store" and "registers" the buffer of a warpgroup's chunk c
+  is refilled with its chunk c + 2W right after S = QK^T; lse_smem fp32 [W, 64] (None with "registers"); p_smem [W, 64, 128] (None: P stays in
   registers); kv_barrier (2 arrivals); q_barrier (2W barriers of Qc + 1 arrivals: stage s of warpgroup w
   is barrier 2w + s).
   """
