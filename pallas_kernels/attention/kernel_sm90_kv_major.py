@@ -199,8 +199,8 @@ def kv_major_attention_pallas(
 
   Returns:
     (o [B, Sq_pad, Nkv, T, hpg, D] in q.dtype, lse fp32 [B, Sq_pad, Nkv, T, hpg] base 2): entries of the
-    slots plan.valid marks; the others are left unwritten. With output_staging "registers" (heads per group
-    dividing 64): (o [N * C * 64, D], lse fp32 [N * C * 64]), whose rows viewed as [N * C * Qc, hpg] slabs
+    slots plan.valid marks; the others are left unwritten. With a staging laid out by chunk ("registers",
+    "q_buffer_one_store", "separate_one_store"; heads per group dividing 64): (o [N * C * 64, D], lse fp32 [N * C * 64]), whose rows viewed as [N * C * Qc, hpg] slabs
     hold the pairs at plan.pair_slab (rows of chunks an item does not have are left unwritten).
   """
   b, sq_pad, nq, d = q.shape
