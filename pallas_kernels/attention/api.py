@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
-from pallas_kernels.attention.config import SparseAttentionBlockSizes
+from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, SparseAttentionBlockSizes
 from pallas_kernels.attention.config import heuristic_block_sizes, kv_major_block_sizes
 from pallas_kernels.attention.config import one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
@@ -182,9 +182,6 @@ def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array
   return out.astype(o.dtype).reshape(b, sq, g * hpg, d)
 
 
-_BY_CHUNK = ("registers", "q_buffer_one_store", "separate_one_store")
-
-
 def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
   """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8."""
   hpg = q.shape[2] // k.shape[2]
@@ -193,7 +190,7 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, inter
   kp, vp = _pad_keys(k, v)
   o, lse = kv_major_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
                                      interpret=_interpret_params(interpret))
-  if block_sizes.output_staging in _BY_CHUNK:  # partials laid out by (item, chunk): gather the pairs
+  if block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS:  # partials laid out by (item, chunk): gather the pairs
     o = o.reshape(-1, hpg, o.shape[-1])[plan.pair_slab]
     lse = lse.reshape(-1, hpg)[plan.pair_slab]
   return _merge_kv_major(o, lse, plan.valid)

@@ -104,6 +104,8 @@ def heuristic_block_sizes(
 
 
 _STAGINGS = ("q_buffer", "q_buffer_one_store", "separate", "separate_one_store", "halves", "registers")
+# Stagings whose partial outputs are laid out by (item, chunk) (KvMajorPlan.pair_slab maps them to the pairs).
+CHUNK_LAYOUT_STAGINGS = ("registers", "q_buffer_one_store", "separate_one_store")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

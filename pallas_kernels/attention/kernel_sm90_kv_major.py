@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
+from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES
+from pallas_kernels.attention.config import KvMajorBlockSizes
 from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, p_times_v, smem_transforms
 from pallas_kernels.attention.plan_kv_major import (
     ITEM_BATCH, ITEM_BLOCK, ITEM_COUNT, ITEM_GROUP, ITEM_START, KvMajorPlan, queries_per_chunk,
@@ -87,7 +88,7 @@ def _kv_major_kernel(
     plgpu.copy_gmem_to_smem(chunk_limit_ref.at[item, chunk], limit_smem.at[stage], q_ready(stage))
 
   direct = staging == "registers"
-  by_chunk = staging in ("registers", "q_buffer_one_store", "separate_one_store")
+  by_chunk = staging in CHUNK_LAYOUT_STAGINGS
   early_refill = staging in ("halves", "registers", "separate_one_store")
   part_width = o_smem.shape[-1] if o_smem is not None else head_dim
 
@@ -219,7 +220,7 @@ def kv_major_attention_pallas(
   if staging == "halves" and d % 64:
     raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
   direct = staging == "registers"
-  by_chunk = staging in ("registers", "q_buffer_one_store", "separate_one_store")
+  by_chunk = staging in CHUNK_LAYOUT_STAGINGS
   if by_chunk and ROWS_PER_TILE % hpg:
     raise ValueError(f"output_staging={staging!r} needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
   p_in_smem = bool(interpret)
