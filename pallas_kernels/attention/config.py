@@ -175,11 +175,15 @@ class KvMajorBlockSizes:
     if self.query_panel is not None and self.query_panel < 1:
       raise ValueError(f"query_panel must be >= 1 or None, got {self.query_panel}")
 
+  def output_buffer_columns(self, head_dim: int) -> int | None:
+    """Columns of each warpgroup's [64, columns] output staging buffer; None: the staging has none."""
+    return {"separate": head_dim, "separate_one_store": head_dim, "halves": 64}.get(self.output_staging)
+
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """K and V of the block + per warpgroup: two query buffers, their row limits, the output staging buffer
     and the log-sum-exps (+ 4 KB for barriers and the alignment of swizzled buffers, as
     SparseAttentionBlockSizes.smem_bytes)."""
-    staging_cols = {"separate": head_dim, "separate_one_store": head_dim, "halves": 64}.get(self.output_staging, 0)
+    staging_cols = self.output_buffer_columns(head_dim) or 0
     lse = 0 if self.output_staging == "registers" else ROWS_PER_TILE * 4
     per_wg = (2 * head_dim + staging_cols) * ROWS_PER_TILE * itemsize + 2 * ROWS_PER_TILE * 4 + lse
     return 2 * KEY_BLOCK * head_dim * itemsize + self.compute_wgs * per_wg + 4096

@@ -13,9 +13,9 @@ meanwhile (two Q buffers; KvMajorBlockSizes.output_staging sets how early a buff
 
 and stores O (input dtype) and lse = m + log2(l) (fp32) into the (query, group, slot) entry of the partial
 outputs, or (output_staging "q_buffer_one_store", "separate_one_store", "registers") in one piece into the
-chunk's own 64 rows of a partial buffer laid out by (item, chunk), which plan.pair_slab maps back to the pairs. api.py merges each query's
-partials with their log-sum-exp. Every wgmma row belongs to a selected (query, block) pair, whatever the
-selections' overlap; the price is the partial outputs' traffic.
+chunk's own 64 rows of a partial buffer laid out by (item, chunk), which plan.pair_slab maps back to the
+pairs. api.py merges each query's partials with their log-sum-exp. Every wgmma row belongs to a selected
+(query, block) pair, whatever the selections' overlap; the price is the partial outputs' traffic.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def _kv_major_kernel(
   own Q buffer, and the prefetch into a buffer first waits for the stores out of it; "registers": no
   staging), [W, 64, D] ("separate", "separate_one_store") or [W, 64, 64] ("halves": the output leaves in
   64-column parts); with "halves", "separate_one_store" and "registers" the buffer of a warpgroup's chunk c
-  is refilled with its chunk c + 2W right after S = QK^T; lse_smem fp32 [W, 64] (None with "registers"); p_smem [W, 64, 128] (None: P stays in
-  registers); kv_barrier (2 arrivals); q_barrier (2W barriers of Qc + 1 arrivals: stage s of warpgroup w
-  is barrier 2w + s).
+  is refilled with its chunk c + 2W right after S = QK^T; lse_smem fp32 [W, 64] (None with "registers");
+  p_smem [W, 64, 128] (None: P stays in registers); kv_barrier (2 arrivals); q_barrier (2W barriers of
+  Qc + 1 arrivals: stage s of warpgroup w is barrier 2w + s).
   """
   item = lax.axis_index("item")
   batch = items_ref[item, ITEM_BATCH]
@@ -201,8 +201,9 @@ def kv_major_attention_pallas(
   Returns:
     (o [B, Sq_pad, Nkv, T, hpg, D] in q.dtype, lse fp32 [B, Sq_pad, Nkv, T, hpg] base 2): entries of the
     slots plan.valid marks; the others are left unwritten. With a staging laid out by chunk ("registers",
-    "q_buffer_one_store", "separate_one_store"; heads per group dividing 64): (o [N * C * 64, D], lse fp32 [N * C * 64]), whose rows viewed as [N * C * Qc, hpg] slabs
-    hold the pairs at plan.pair_slab (rows of chunks an item does not have are left unwritten).
+    "q_buffer_one_store", "separate_one_store"; heads per group dividing 64): (o [N * C * 64, D], lse
+    fp32 [N * C * 64]), whose rows viewed as [N * C * Qc, hpg] slabs hold the pairs at plan.pair_slab
+    (rows of chunks an item does not have are left unwritten).
   """
   b, sq_pad, nq, d = q.shape
   nkv = k.shape[2]
@@ -229,16 +230,14 @@ def kv_major_attention_pallas(
       _kv_major_kernel, chunk_queries=qc, chunks_per_item=chunks, heads_per_group=hpg, scale=scale, head_dim=d,
       staging=staging, compute_wgs=wgs,
   )
-  o_staging = {"q_buffer": None, "q_buffer_one_store": None, "registers": None, "separate": (ROWS_PER_TILE, d),
-               "separate_one_store": (ROWS_PER_TILE, d),
-               "halves": (ROWS_PER_TILE, 64)}[staging]
+  o_columns = block_sizes.output_buffer_columns(d)
   tiled = dict(transforms=smem_transforms(q.dtype))
   scratch = [
       plgpu.SMEM((KEY_BLOCK, d), k.dtype, **tiled),
       plgpu.SMEM((KEY_BLOCK, d), v.dtype, **tiled),
       plgpu.SMEM((wgs, 2, ROWS_PER_TILE, d), q.dtype, **tiled),
       plgpu.SMEM((wgs, 2, ROWS_PER_TILE), jnp.int32),
-      None if o_staging is None else plgpu.SMEM((wgs, *o_staging), q.dtype, **tiled),
+      None if o_columns is None else plgpu.SMEM((wgs, ROWS_PER_TILE, o_columns), q.dtype, **tiled),
       None if direct else plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32),
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1),

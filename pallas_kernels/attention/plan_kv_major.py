@@ -40,8 +40,8 @@ class KvMajorPlan:
     (row r = query r // heads_per_group of the chunk); -1 for rows past the item's pairs.
   valid: bool [B, Sq_pad, G, T] the (query, slot) entries that are pairs.
   pair_slab: [B, Sq_pad, G, T] where each pair's partial output lies when items write their chunks whole
-    (the output stagings of config.CHUNK_LAYOUT_STAGINGS): item i's pair j is slab i * C * Qc + j of the [N * C * Qc, hpg, D]
-    partial buffer; 0 where valid is False.
+    (the output stagings of config.CHUNK_LAYOUT_STAGINGS): item i's pair j is slab i * C * Qc + j of the
+    [N * C * Qc, hpg, D] partial buffer; 0 where valid is False.
   """
 
   items: jax.Array

@@ -77,6 +77,18 @@ def test_long_runs_ragged_items_and_bad_ids(mode, output_staging, query_chunk, q
   assert (got[0, 7] == 0).all()
 
 
+def _block_0_and_own_blocks(seed: int) -> tuple[jax.Array, jax.Array]:
+  """(positions int32 [1, 38], ids int32 [1, 38, 2, 3]): 38 queries at random positions of a 700-token
+  prefill, each selecting block 0 and its own block in both KV groups, every fourth also block 2 in group 1."""
+  rng = np.random.default_rng(seed)
+  pos = np.sort(rng.choice(np.arange(0, 700), 38, replace=False)).astype(np.int32)
+  ids = np.full((1, 38, 2, 3), -1, np.int32)
+  ids[0, :, :, 0] = 0
+  ids[0, :, :, 1] = pos[:, None] // 128
+  ids[0, ::4, 1, 2] = 2
+  return jnp.asarray(pos)[None], jnp.asarray(ids)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("output_staging", ["q_buffer", "separate", "halves", "registers",
                                             "q_buffer_one_store"])
@@ -84,14 +96,9 @@ def test_head_dim_128_items_of_several_chunks(mode, output_staging):
   """M3's group shape (16 heads, D = 128: two 64-column output parts with "halves") over 38 queries of a
   700-token prefill, all selecting block 0 plus their own block: runs of up to 38 users in items of 3 chunks
   of 4 queries, so buffers are refilled one or two chunks ahead and items end mid-chunk."""
-  rng = np.random.default_rng(8)
-  pos = np.sort(rng.choice(np.arange(0, 700), 38, replace=False)).astype(np.int32)
-  ids = np.full((1, 38, 2, 3), -1, np.int32)
-  ids[0, :, :, 0] = 0
-  ids[0, :, :, 1] = pos[:, None] // 128
-  ids[0, ::4, 1, 2] = 2
+  pos, ids = _block_0_and_own_blocks(seed=8)
   q, k, v = _qkv(1, 38, 32, 2, 128, 700, jnp.bfloat16, seed=12)
-  _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=3, output_staging=output_staging)
+  _run(mode, q, k, v, ids, pos, chunks_per_item=3, output_staging=output_staging)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -101,15 +108,9 @@ def test_warpgroups_share_an_item(mode, compute_wgs, output_staging):
   """W warpgroups per CTA take turns on an item's chunks: runs of up to 38 users of block 0 in items of 5
   chunks of 4 queries (warpgroup 0 of 3 takes chunks 0 and 3, warpgroup 2 only chunk 2), and items of
   fewer chunks than warpgroups (the runs of the queries' own blocks), where some warpgroups have none."""
-  rng = np.random.default_rng(9)
-  pos = np.sort(rng.choice(np.arange(0, 700), 38, replace=False)).astype(np.int32)
-  ids = np.full((1, 38, 2, 3), -1, np.int32)
-  ids[0, :, :, 0] = 0
-  ids[0, :, :, 1] = pos[:, None] // 128
-  ids[0, ::4, 1, 2] = 2
+  pos, ids = _block_0_and_own_blocks(seed=9)
   q, k, v = _qkv(1, 38, 32, 2, 128, 700, jnp.bfloat16, seed=13)
-  _run(mode, q, k, v, jnp.asarray(ids), jnp.asarray(pos)[None], chunks_per_item=5, output_staging=output_staging,
-       compute_wgs=compute_wgs)
+  _run(mode, q, k, v, ids, pos, chunks_per_item=5, output_staging=output_staging, compute_wgs=compute_wgs)
 
 
 @pytest.mark.parametrize("mode", MODES)
