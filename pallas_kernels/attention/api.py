@@ -3,9 +3,9 @@
 Same signatures and semantics as reference.py (plus `interpret` and tuning arguments). Both run the
 query-major block-list kernels (kernel_sm90.py, kernel_sm90_ws.py); causal_attention first tries cuDNN's fused
 attention when the queries are a plain prefill (Sq == Sk and q_positions == arange, checked at run time with
-lax.cond). sparse_attention's compiled prefill also holds the KV-major kernel (kernel_sm90_kv_major.py) and
-runs it instead when the selections are shared too little between adjacent queries (prefers_kv_major,
-lax.cond on the device).
+lax.cond). sparse_attention's compiled prefill also holds the KV-major kernel (kernel_sm90_kv_major.py) and a
+split of the pairs between the two, and runs whichever loop order a cost model of the selections estimates
+cheapest (loop_order.py, lax.switch on the device).
 
 dtypes: bf16/f16 (fp32 softmax and accumulation, P rounded to the input dtype before P.V, like the
 reference). Other dtypes, block_size != 128, head dim not in {64, 128} or more than 64 heads per KV group
@@ -30,6 +30,7 @@ from pallas_kernels.attention.config import one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_kv_major import kv_major_attention_pallas
 from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
+from pallas_kernels.attention.loop_order import choose_order, order_costs, shared_slots, slot_sharing
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
 from pallas_kernels.attention.plan_kv_major import kv_major_plan, usable_slots
 
@@ -168,22 +169,37 @@ def _sparse_plan_builder(block_ids, num_keys):
   return make_plan
 
 
-def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array:
+def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array,
+                    extra: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """o [B, Sq, G, T, hpg, D], lse fp32 [B, Sq, G, T, hpg] (base 2), valid bool [B, Sq, G, T] ->
   [B, Sq, G * hpg, D] in o.dtype: each query's partial outputs weighted by softmax(lse) over its written
-  slots (unwritten slots hold garbage and are dropped, not multiplied by 0); no slot -> zeros."""
+  slots (unwritten slots hold garbage and are dropped, not multiplied by 0); no slot -> zeros.
+
+  extra: (o [B, Sq, G * hpg, D], lse fp32 [B, Sq, G * hpg]) one more partial output of every query (the
+  query-major part of the split order; lse -inf where it attended nothing), merged with the others.
+  """
   b, sq, g, t, hpg, d = o.shape
   lse = jnp.where(valid[..., None], lse, -jnp.inf)
-  top = lse.max(3, keepdims=True)
-  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
+  top = lse.max(3)
+  if extra is not None:
+    extra_o, extra_lse = extra[0].reshape(b, sq, g, hpg, d), extra[1].reshape(b, sq, g, hpg)
+    top = jnp.maximum(top, extra_lse)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  weight = jnp.exp2(lse - top[:, :, :, None])
   total = weight.sum(3)
   parts = jnp.where(valid[..., None, None], o.astype(jnp.float32), 0.0)
-  out = (weight[..., None] * parts).sum(3) / jnp.where(total > 0, total, 1.0)[..., None]
+  out = (weight[..., None] * parts).sum(3)
+  if extra is not None:
+    extra_weight = jnp.exp2(extra_lse - top)
+    out = out + extra_weight[..., None] * extra_o.astype(jnp.float32)
+    total = total + extra_weight
+  out = out / jnp.where(total > 0, total, 1.0)[..., None]
   return out.astype(o.dtype).reshape(b, sq, g * hpg, d)
 
 
-def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
-  """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8."""
+def _kv_major_pass(q, k, v, block_ids, q_positions, extra=None, *, scale, block_sizes, interpret):
+  """One pass of the KV-major kernel: plan, kernel, merge (with extra, see _merge_kv_major). q's heads per
+  group already a multiple of 8."""
   hpg = q.shape[2] // k.shape[2]
   plan = kv_major_plan(block_ids, q_positions, num_keys=k.shape[1], heads_per_group=hpg,
                        chunks_per_item=block_sizes.chunks_per_item, query_panel=block_sizes.query_panel)
@@ -193,12 +209,16 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, inter
   if block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS:  # partials laid out by (item, chunk): gather the pairs
     o = o.reshape(-1, hpg, o.shape[-1])[plan.pair_slab]
     lse = lse.reshape(-1, hpg)[plan.pair_slab]
-  return _merge_kv_major(o, lse, plan.valid)
+  return _merge_kv_major(o, lse, plan.valid, extra)
 
 
-def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
+def _run_kv_major(q, k, v, block_ids, q_positions, extra=None, *, scale, block_sizes, interpret):
   """KV-major kernel: heads padded to a multiple of 8, queries in passes of at most block_sizes.query_chunk
-  (over the batch; padding queries have position -1 and select nothing), unpadded."""
+  (over the batch; padding queries have position -1 and select nothing), unpadded.
+
+  extra: optional (o [B, Sq, Nkv * hpg_run, D], lse fp32 [B, Sq, Nkv * hpg_run]) partial output of every
+  query with heads already padded (hpg_run = _kernel_heads_per_group), merged with the KV-major partials.
+  """
   b, sq, nq, d = q.shape
   nkv = k.shape[2]
   hpg = _kernel_heads_per_group(nq // nkv)
@@ -208,7 +228,7 @@ def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interp
   run = functools.partial(_kv_major_pass, k=k, v=v, scale=scale, block_sizes=block_sizes, interpret=interpret)
   chunk = max(1, block_sizes.query_chunk // b)
   if sq <= chunk:
-    o = run(qh, block_ids=block_ids, q_positions=q_positions)
+    o = run(qh, block_ids=block_ids, q_positions=q_positions, extra=extra)
   else:
     passes = -(-sq // chunk)
     pad = passes * chunk - sq
@@ -217,56 +237,73 @@ def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interp
       x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
       return jnp.swapaxes(x.reshape(b, passes, chunk, *x.shape[2:]), 0, 1)
 
-    o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2]),
-                    (split(qh, 0), split(block_ids, -1), split(q_positions, -1)))
+    extra_split = None if extra is None else (split(extra[0], 0), split(extra[1], -jnp.inf))
+    o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2], extra=a[3]),
+                    (split(qh, 0), split(block_ids, -1), split(q_positions, -1), extra_split))
     o = jnp.swapaxes(o, 0, 1).reshape(b, passes * chunk, *o.shape[3:])[:, :sq]
   if hpg * nkv == nq:
     return o
   return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
 
-# The query-major prefill kernel pays per K/V block load (one per entry of each 8-query tile's union list;
-# ~11-13 ns each on an H100, L2-bound), the KV-major one per selected (query, group, block) pair (~5.0 ns:
-# its Q gather, partial output and merge, HBM-bound). bench_attention.py, M3 dims, H100, 32K and 128K:
-# query-major 12.9 / 71.6 ms on random selections (loads / pairs 0.58 / 0.79), 7.8 / 37.7 ms on correlated
-# ones (0.30 / 0.37); KV-major (one warpgroup, "q_buffer") 10.3 / 41.8 ms on both: the locality sweep crossed
-# over at 7 private blocks per query (0.43). With kv_major_block_sizes (3 warpgroups, "separate_one_store";
-# 9.4 ms at 32K whatever the overlap, H100, thirty-first session) it crosses at ~6 (query-major 8.02 ms at 4
-# private blocks, loads / pairs 0.32; 10.16 ms at 7, 0.43; interpolated 9.42 ms at ~0.40).
-KV_MAJOR_LOAD_RATIO = 0.40
+def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret=False, order=None):
+  """A prefill in the loop order loop_order.choose_order estimates cheapest on these selections (decided on
+  the device, lax.switch): query-major (the warp-specialized kernel, block_sizes), KV-major
+  (kv_major_block_sizes), or split by sharing: the pairs whose block >= 2 queries of their warpgroup selected
+  run query-major, the others KV-major, and the query-major output and log-sum-exps join the KV-major
+  partials in their merge. sparse_attention uses it compiled; tests call it with interpret=True.
 
-
-def prefers_kv_major(list_count: jax.Array, pairs: jax.Array) -> jax.Array:
-  """bool scalar: the KV-major kernel is expected faster, i.e. the query-major plan's K/V block loads
-  (list_count summed: [B, tiles, G] union lengths of its tiles) exceed KV_MAJOR_LOAD_RATIO x the selected
-  (query, group, block) pairs."""
-  return jnp.sum(list_count, dtype=jnp.float32) > KV_MAJOR_LOAD_RATIO * jnp.sum(pairs, dtype=jnp.float32)
-
-
-def _sparse_prefill_either_order(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret=False):
-  """A prefill: the query-major warp-specialized kernel (block_sizes), or the KV-major kernel when
-  prefers_kv_major says so on these selections (decided on the device, lax.cond). sparse_attention uses it
-  compiled; tests call it with interpret=True."""
+  order: loop_order.QUERY_MAJOR / SPLIT / KV_MAJOR to force one (benchmarks, tests); None: by cost.
+  """
   b, sq, nq, d = q.shape
   nkv = k.shape[2]
   hpg = _kernel_heads_per_group(nq // nkv)
   block_sizes = _fit_block_sizes(block_sizes, hpg, d)
+  if block_sizes.compute_wgs != 2:
+    raise ValueError(f"the prefill orders run the warp-specialized query-major kernel, got {block_sizes}")
   qpt = block_sizes.queries_per_tile
   sq_pad = padded_query_count(sq, qpt)
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
-  plan = _sparse_plan_builder(block_ids, k.shape[1])(positions, sq_pad, qpt, block_sizes.compute_wgs, hpg)
-  pairs = usable_slots(block_ids.astype(jnp.int32), q_positions.astype(jnp.int32), k.shape[1])
+  ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
+  usable = usable_slots(ids, positions, k.shape[1])
+  ids = jnp.where(usable, ids, -1)
+  sharing = slot_sharing(ids, usable, qpt, block_sizes.compute_wgs)
+  kv_block_sizes = kv_major_block_sizes(hpg)
 
-  def query_major(q, k, v, block_ids, q_positions):
-    del block_ids
-    return _run_kernel(q, k, v, q_positions, lambda *_: plan, 1, scale=scale, block_sizes=block_sizes,
-                       check_users=True, interpret=interpret)
+  def query_major_partial(q, k, v, ids):
+    """Query-major kernel on ids [B, Sq_pad, G, T]: (o [B, Sq, Nkv * hpg, D], lse fp32 [B, Sq, Nkv * hpg])."""
+    qh = jnp.pad(_pad_heads(q, nkv, hpg), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
+    plan = sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
+                       compute_wgs=block_sizes.compute_wgs)
+    kp, vp = _pad_keys(k, v)
+    o, lse = ws_attention_pallas(qh, kp, vp, plan, scale=scale, block_sizes=block_sizes, check_users=True,
+                                 p_in_smem=block_sizes.p_in_smem, interpret=_interpret_params(interpret),
+                                 with_lse=True)
+    return o[0, :, :sq], lse[0, :, :sq]
 
-  def kv_major(q, k, v, block_ids, q_positions):
-    return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=kv_major_block_sizes(hpg),
+  def query_major(q, k, v, ids, shared):
+    del shared
+    return _run_kernel(q, k, v, q_positions, lambda *_: sparse_plan(
+        ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
+        compute_wgs=block_sizes.compute_wgs), 1, scale=scale, block_sizes=block_sizes, check_users=True,
+        interpret=interpret)
+
+  def split(q, k, v, ids, shared):
+    extra = query_major_partial(q, k, v, jnp.where(shared, ids, -1))
+    private = jnp.where(shared, -1, ids)[:, :sq]
+    return _run_kv_major(q, k, v, private, q_positions, extra, scale=scale, block_sizes=kv_block_sizes,
                          interpret=interpret)
 
-  return jax.lax.cond(prefers_kv_major(plan.count, pairs), kv_major, query_major, q, k, v, block_ids, q_positions)
+  def kv_major(q, k, v, ids, shared):
+    del shared
+    return _run_kv_major(q, k, v, ids[:, :sq], q_positions, scale=scale, block_sizes=kv_block_sizes,
+                         interpret=interpret)
+
+  branches = [query_major, split, kv_major]  # indexed by loop_order.QUERY_MAJOR, SPLIT, KV_MAJOR
+  operands = (q, k, v, ids, shared_slots(sharing))
+  if order is not None:
+    return branches[order](*operands)
+  return jax.lax.switch(choose_order(order_costs(ids, sharing, qpt)), branches, *operands)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))
@@ -295,8 +332,8 @@ def sparse_attention(
     interpret: True (or plgpu.InterpretGPUParams) to run the kernel on CPU in GPU interpret mode.
     block_sizes: optional SparseAttentionBlockSizes (query-major kernels) or KvMajorBlockSizes (the KV-major
       kernel, kernel_sm90_kv_major.py). None: heuristic_block_sizes; where that picks the warp-specialized
-      prefill kernel (compiled, many queries), the KV-major kernel runs instead on selections that
-      adjacent queries share too little (prefers_kv_major, decided on the device).
+      prefill kernel (compiled, many queries), the loop order (query-major, KV-major or split between
+      them) is chosen on the device from the selections (_sparse_prefill_by_cost, loop_order.py).
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
@@ -321,7 +358,7 @@ def sparse_attention(
   if block_sizes is None and not interpret:
     chosen = heuristic_block_sizes(b, sq, k.shape[2], hpg, max(list_len, 1), warp_specialized=True, sparse=True)
     if chosen.compute_wgs == 2:
-      return _sparse_prefill_either_order(q, k, v, block_ids, q_positions, scale=scale, block_sizes=chosen)
+      return _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, scale=scale, block_sizes=chosen)
   return _run_kernel(
       q, k, v, q_positions, make_plan, max(list_len, 1), scale=scale, block_sizes=block_sizes,
       check_users=True, interpret=interpret,

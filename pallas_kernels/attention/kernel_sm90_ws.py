@@ -37,22 +37,28 @@ _MEMORY_REGISTERS = 40
 
 
 def _ws_attention_kernel(
-    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
-    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
+    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool, ping_pong: str,
+    check_users: bool, acc_in_place: bool, ping_pong: str, with_lse: bool,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
-  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
-  o_ref [1, B, Sq_pad, Nq, D].
+  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64].
+  outputs: o_ref [1, B, Sq_pad, Nq, D] (+ lse_ref fp32 [1, B, Sq_pad, Nq] when with_lse: m + log2(l) in
+  base-2 units of the scaled scores, -inf for rows that attended nothing).
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
-  bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
+  bit_smem int32 [W, 64]; lse_smem fp32 [W, 64] (None without with_lse); p_smem [W, 64, 128] (None: P stays
+  in registers); q_barrier (W barriers);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
   ping-pong: one's softmax overlaps the other's wgmma) when ping_pong == "every" (see
   SparseAttentionBlockSizes.ping_pong); "off" lets them run unpaired.
   """
+  if with_lse:
+    o_ref, lse_ref, *refs = refs
+  else:
+    (o_ref, *refs), lse_ref = refs, None
+  qo_smem, limit_smem, bit_smem, lse_smem, p_smem, q_barrier, schedule_barrier = refs
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
   batch = lax.axis_index("batch")
@@ -90,15 +96,19 @@ def _ws_attention_kernel(
         row_vector(0.0),
     )
     pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
-    acc, _, l_i = run_pipeline(init)
+    acc, m_i, l_i = run_pipeline(init)
     pl.when(wg == 0)(schedule)
     empty = l_i == 0.0
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
+    if lse_ref is not None:
+      lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * LOG2E)
     plgpu.commit_smem()
     for i in range(queries_per_wg):
-      plgpu.copy_smem_to_gmem(my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
-                              o_ref.at[0, batch, my_first + i, heads])
+      rows = pl.ds(i * heads_per_group, heads_per_group)
+      plgpu.copy_smem_to_gmem(my_q.at[rows], o_ref.at[0, batch, my_first + i, heads])
+      if lse_ref is not None:
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg, rows], lse_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
 
   def skip(k_consumed, v_consumed, carry):
@@ -208,7 +218,8 @@ def ws_attention_pallas(
     check_users: bool,
     p_in_smem: bool | None = None,
     interpret: Any = False,
-) -> tuple[jax.Array, None]:
+    with_lse: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
   """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2).
 
   Args:
@@ -216,9 +227,12 @@ def ws_attention_pallas(
     plan: TilePlan built with queries_per_tile and compute_wgs of block_sizes.
     check_users: mask each row by its query's bit of the entry's user mask (sparse plans).
     p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode).
+    with_lse: also return each row's log-sum-exp, so that the output can be merged with other partial
+      outputs of the same queries (the hybrid prefill of api.py).
 
   Returns:
-    (o [1, B, Sq_pad, Nq, D] in q.dtype, None): the launch contract of kernel_sm90.attention_pallas.
+    (o [1, B, Sq_pad, Nq, D] in q.dtype, lse fp32 [1, B, Sq_pad, Nq] base 2 or None without with_lse): the
+    launch contract of kernel_sm90.attention_pallas.
   """
   b, sq_pad, nq, d = q.shape
   nkv = k.shape[2]
@@ -237,19 +251,23 @@ def ws_attention_pallas(
       # it). The GPU interpreter runs each simulated warpgroup on a pool thread; its barrier waits block
       # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
       # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
-      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong,
+      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong, with_lse=with_lse,
   )
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
+      plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32) if with_lse else None,
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs),
   ]
-  o = plgpu.kernel(
+  out_type = [jax.ShapeDtypeStruct((1, b, sq_pad, nq, d), q.dtype)]
+  if with_lse:
+    out_type.append(jax.ShapeDtypeStruct((1, b, sq_pad, nq), jnp.float32))
+  outs = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((1, b, sq_pad, nq, d), q.dtype),
+      out_type=out_type,
       # the last grid axis is CUDA x: consecutive CTAs are consecutive tiles of one KV group (shared K/V in L2)
       grid=(b, nkv, sq_pad // qpt),
       grid_names=("batch", "group", "tile"),
@@ -258,6 +276,6 @@ def ws_attention_pallas(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}",
+      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}{'_lse' if with_lse else ''}",
   )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
-  return o, None
+  return outs[0], (outs[1] if with_lse else None)
