@@ -405,6 +405,10 @@ def table() -> str:
       lines.append(f"| kv_major_floor | S={r['S']} | {r['partial_GB']} GB of bf16 partials: write + merge | "
                    f"{r['write_ms']} + {r['merge_ms']} = {r['floor_ms']} ms | {r['write_GBs']} / {r['merge_GBs']} GB/s | "
                    f"{r['rel_err']} |")
+    elif r["section"] == "order_costs":
+      estimates = ", ".join(f"{n} {r[f'{n} est ms']} ms" for n in loop_order.ORDER_NAMES)
+      lines.append(f"| order_costs | S={r['S']} {r['selection']} | estimates: {estimates} | | chosen: {r['chosen']} | "
+                   f"shared pairs {r['shared_pairs']} |")
     elif r["section"] in ("decode_kernels", "decode_check", "sparse_union", "kernel_breakdown"):
       continue
     else:

@@ -29,10 +29,10 @@ from pallas_kernels.attention.config import heuristic_block_sizes, kv_major_bloc
 from pallas_kernels.attention.config import one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_kv_major import kv_major_attention_pallas
-from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
-from pallas_kernels.attention.loop_order import choose_order, order_costs, shared_slots, slot_sharing
+from pallas_kernels.attention.kernel_sm90_ws import PartialsToMerge, ws_attention_pallas
+from pallas_kernels.attention.loop_order import SPLIT, choose_order, order_costs, shared_slots, slot_sharing
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
-from pallas_kernels.attention.plan_kv_major import kv_major_plan, usable_slots
+from pallas_kernels.attention.plan_kv_major import KvMajorPlan, kv_major_plan, usable_slots
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -169,37 +169,22 @@ def _sparse_plan_builder(block_ids, num_keys):
   return make_plan
 
 
-def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array,
-                    extra: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array:
   """o [B, Sq, G, T, hpg, D], lse fp32 [B, Sq, G, T, hpg] (base 2), valid bool [B, Sq, G, T] ->
   [B, Sq, G * hpg, D] in o.dtype: each query's partial outputs weighted by softmax(lse) over its written
-  slots (unwritten slots hold garbage and are dropped, not multiplied by 0); no slot -> zeros.
-
-  extra: (o [B, Sq, G * hpg, D], lse fp32 [B, Sq, G * hpg]) one more partial output of every query (the
-  query-major part of the split order; lse -inf where it attended nothing), merged with the others.
-  """
+  slots (unwritten slots hold garbage and are dropped, not multiplied by 0); no slot -> zeros."""
   b, sq, g, t, hpg, d = o.shape
   lse = jnp.where(valid[..., None], lse, -jnp.inf)
-  top = lse.max(3)
-  if extra is not None:
-    extra_o, extra_lse = extra[0].reshape(b, sq, g, hpg, d), extra[1].reshape(b, sq, g, hpg)
-    top = jnp.maximum(top, extra_lse)
-  top = jnp.where(top == -jnp.inf, 0.0, top)
-  weight = jnp.exp2(lse - top[:, :, :, None])
+  top = lse.max(3, keepdims=True)
+  weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
   total = weight.sum(3)
   parts = jnp.where(valid[..., None, None], o.astype(jnp.float32), 0.0)
-  out = (weight[..., None] * parts).sum(3)
-  if extra is not None:
-    extra_weight = jnp.exp2(extra_lse - top)
-    out = out + extra_weight[..., None] * extra_o.astype(jnp.float32)
-    total = total + extra_weight
-  out = out / jnp.where(total > 0, total, 1.0)[..., None]
+  out = (weight[..., None] * parts).sum(3) / jnp.where(total > 0, total, 1.0)[..., None]
   return out.astype(o.dtype).reshape(b, sq, g * hpg, d)
 
 
-def _kv_major_pass(q, k, v, block_ids, q_positions, extra=None, *, scale, block_sizes, interpret):
-  """One pass of the KV-major kernel: plan, kernel, merge (with extra, see _merge_kv_major). q's heads per
-  group already a multiple of 8."""
+def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
+  """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8."""
   hpg = q.shape[2] // k.shape[2]
   plan = kv_major_plan(block_ids, q_positions, num_keys=k.shape[1], heads_per_group=hpg,
                        chunks_per_item=block_sizes.chunks_per_item, query_panel=block_sizes.query_panel)
@@ -209,16 +194,12 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, extra=None, *, scale, block_
   if block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS:  # partials laid out by (item, chunk): gather the pairs
     o = o.reshape(-1, hpg, o.shape[-1])[plan.pair_slab]
     lse = lse.reshape(-1, hpg)[plan.pair_slab]
-  return _merge_kv_major(o, lse, plan.valid, extra)
+  return _merge_kv_major(o, lse, plan.valid)
 
 
-def _run_kv_major(q, k, v, block_ids, q_positions, extra=None, *, scale, block_sizes, interpret):
+def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
   """KV-major kernel: heads padded to a multiple of 8, queries in passes of at most block_sizes.query_chunk
-  (over the batch; padding queries have position -1 and select nothing), unpadded.
-
-  extra: optional (o [B, Sq, Nkv * hpg_run, D], lse fp32 [B, Sq, Nkv * hpg_run]) partial output of every
-  query with heads already padded (hpg_run = _kernel_heads_per_group), merged with the KV-major partials.
-  """
+  (over the batch; padding queries have position -1 and select nothing), unpadded."""
   b, sq, nq, d = q.shape
   nkv = k.shape[2]
   hpg = _kernel_heads_per_group(nq // nkv)
@@ -228,7 +209,7 @@ def _run_kv_major(q, k, v, block_ids, q_positions, extra=None, *, scale, block_s
   run = functools.partial(_kv_major_pass, k=k, v=v, scale=scale, block_sizes=block_sizes, interpret=interpret)
   chunk = max(1, block_sizes.query_chunk // b)
   if sq <= chunk:
-    o = run(qh, block_ids=block_ids, q_positions=q_positions, extra=extra)
+    o = run(qh, block_ids=block_ids, q_positions=q_positions)
   else:
     passes = -(-sq // chunk)
     pad = passes * chunk - sq
@@ -237,21 +218,51 @@ def _run_kv_major(q, k, v, block_ids, q_positions, extra=None, *, scale, block_s
       x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
       return jnp.swapaxes(x.reshape(b, passes, chunk, *x.shape[2:]), 0, 1)
 
-    extra_split = None if extra is None else (split(extra[0], 0), split(extra[1], -jnp.inf))
-    o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2], extra=a[3]),
-                    (split(qh, 0), split(block_ids, -1), split(q_positions, -1), extra_split))
+    o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2]),
+                    (split(qh, 0), split(block_ids, -1), split(q_positions, -1)))
     o = jnp.swapaxes(o, 0, 1).reshape(b, passes * chunk, *o.shape[3:])[:, :sq]
   if hpg * nkv == nq:
     return o
   return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
 
+def _left_packed_slabs(plan: KvMajorPlan) -> tuple[jax.Array, jax.Array]:
+  """(slabs int32 [B, Sq, G, T], count int32 [B, Sq, G]): each query's KV-major partials (pair_slab of its
+  valid slots) moved to the front of its row, 0 behind them."""
+  order = jnp.argsort(~plan.valid, axis=-1, stable=True)
+  return jnp.take_along_axis(plan.pair_slab, order, axis=-1), plan.valid.sum(-1, dtype=jnp.int32)
+
+
+def _split_pass(q, shared_ids, private_ids, positions, *, k, v, scale, block_sizes, kv_block_sizes, interpret):
+  """One pass of the split loop order: the KV-major kernel on the private pairs, then the query-major kernel on
+  the shared ones, which merges each query's KV-major partials into its output.
+
+  q [B, Sp, Nkv * hpg, D] (heads padded, Sp % queries_per_tile == 0); shared_ids, private_ids int32
+  [B, Sp, G, T]; positions int32 [B, Sp] (-1 padding). Returns [B, Sp, Nkv * hpg, D].
+  """
+  hpg = q.shape[2] // k.shape[2]
+  kp, vp = _pad_keys(k, v)
+  kv_plan = kv_major_plan(private_ids, positions, num_keys=k.shape[1], heads_per_group=hpg,
+                          chunks_per_item=kv_block_sizes.chunks_per_item, query_panel=kv_block_sizes.query_panel)
+  part_o, part_lse = kv_major_attention_pallas(q, kp, vp, kv_plan, scale=scale, block_sizes=kv_block_sizes,
+                                               interpret=_interpret_params(interpret))
+  slabs, count = _left_packed_slabs(kv_plan)
+  plan = sparse_plan(shared_ids, positions, num_keys=k.shape[1], queries_per_tile=block_sizes.queries_per_tile,
+                     heads_per_group=hpg, compute_wgs=block_sizes.compute_wgs)
+  o, _ = ws_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes, check_users=True,
+                             p_in_smem=block_sizes.p_in_smem, interpret=_interpret_params(interpret),
+                             partials=PartialsToMerge(part_o, part_lse.reshape(-1), slabs, count))
+  return o[0]
+
+
 def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret=False, order=None):
   """A prefill in the loop order loop_order.choose_order estimates cheapest on these selections (decided on
   the device, lax.switch): query-major (the warp-specialized kernel, block_sizes), KV-major
   (kv_major_block_sizes), or split by sharing: the pairs whose block >= 2 queries of their warpgroup selected
-  run query-major, the others KV-major, and the query-major output and log-sum-exps join the KV-major
-  partials in their merge. sparse_attention uses it compiled; tests call it with interpret=True.
+  run query-major, the others KV-major first, and the query-major kernel merges each query's KV-major partials
+  into its output (_split_pass, in passes of at most kv_major_block_sizes' query_chunk queries). The split
+  needs a KV-major staging laid out by (item, chunk) (heads per group dividing 64); without it the split is
+  never chosen. sparse_attention uses this compiled; tests call it with interpret=True.
 
   order: loop_order.QUERY_MAJOR / SPLIT / KV_MAJOR to force one (benchmarks, tests); None: by cost.
   """
@@ -261,6 +272,10 @@ def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_siz
   block_sizes = _fit_block_sizes(block_sizes, hpg, d)
   if block_sizes.compute_wgs != 2:
     raise ValueError(f"the prefill orders run the warp-specialized query-major kernel, got {block_sizes}")
+  kv_block_sizes = kv_major_block_sizes(hpg)
+  can_split = kv_block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS
+  if order == SPLIT and not can_split:
+    raise NotImplementedError(f"the split loop order needs heads per group dividing 64, got {hpg}")
   qpt = block_sizes.queries_per_tile
   sq_pad = padded_query_count(sq, qpt)
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
@@ -268,18 +283,6 @@ def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_siz
   usable = usable_slots(ids, positions, k.shape[1])
   ids = jnp.where(usable, ids, -1)
   sharing = slot_sharing(ids, usable, qpt, block_sizes.compute_wgs)
-  kv_block_sizes = kv_major_block_sizes(hpg)
-
-  def query_major_partial(q, k, v, ids):
-    """Query-major kernel on ids [B, Sq_pad, G, T]: (o [B, Sq, Nkv * hpg, D], lse fp32 [B, Sq, Nkv * hpg])."""
-    qh = jnp.pad(_pad_heads(q, nkv, hpg), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
-    plan = sparse_plan(ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
-                       compute_wgs=block_sizes.compute_wgs)
-    kp, vp = _pad_keys(k, v)
-    o, lse = ws_attention_pallas(qh, kp, vp, plan, scale=scale, block_sizes=block_sizes, check_users=True,
-                                 p_in_smem=block_sizes.p_in_smem, interpret=_interpret_params(interpret),
-                                 with_lse=True)
-    return o[0, :, :sq], lse[0, :, :sq]
 
   def query_major(q, k, v, ids, shared):
     del shared
@@ -289,10 +292,27 @@ def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_siz
         interpret=interpret)
 
   def split(q, k, v, ids, shared):
-    extra = query_major_partial(q, k, v, jnp.where(shared, ids, -1))
-    private = jnp.where(shared, -1, ids)[:, :sq]
-    return _run_kv_major(q, k, v, private, q_positions, extra, scale=scale, block_sizes=kv_block_sizes,
-                         interpret=interpret)
+    qh = jnp.pad(_pad_heads(q, nkv, hpg), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
+    args = (qh, jnp.where(shared, ids, -1), jnp.where(shared, -1, ids), positions)
+    run = functools.partial(_split_pass, k=k, v=v, scale=scale, block_sizes=block_sizes,
+                            kv_block_sizes=kv_block_sizes, interpret=interpret)
+    chunk = max(qpt, kv_block_sizes.query_chunk // b // qpt * qpt)
+    if sq_pad <= chunk:
+      o = run(*args)
+    else:
+      passes = -(-sq_pad // chunk)
+      pad = passes * chunk - sq_pad
+
+      def by_pass(x, fill):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.swapaxes(x.reshape(b, passes, chunk, *x.shape[2:]), 0, 1)
+
+      o = jax.lax.map(lambda a: run(*a), tuple(by_pass(x, f) for x, f in zip(args, (0, -1, -1, -1))))
+      o = jnp.swapaxes(o, 0, 1).reshape(b, passes * chunk, *o.shape[3:])
+    o = o[:, :sq]
+    if hpg * nkv == nq:
+      return o
+    return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
   def kv_major(q, k, v, ids, shared):
     del shared
@@ -303,7 +323,10 @@ def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_siz
   operands = (q, k, v, ids, shared_slots(sharing))
   if order is not None:
     return branches[order](*operands)
-  return jax.lax.switch(choose_order(order_costs(ids, sharing, qpt)), branches, *operands)
+  costs = order_costs(ids, sharing, qpt)
+  if not can_split:
+    costs = costs.at[SPLIT].set(jnp.inf)
+  return jax.lax.switch(choose_order(costs), branches, *operands)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))

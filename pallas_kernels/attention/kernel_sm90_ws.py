@@ -20,6 +20,7 @@ No splits (prefill has enough tiles to fill the GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -36,29 +37,48 @@ from pallas_kernels.attention.plan import TilePlan
 _MEMORY_REGISTERS = 40
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PartialsToMerge:
+  """Partial outputs of the launch's queries over other key blocks, merged into their outputs by the kernel.
+
+  o: [R, D] rows of partial outputs (normalised: O / l), hpg consecutive rows per (query, KV group, partial)
+    (the KV-major kernel's (item, chunk) layout: slab s is rows s * hpg .. s * hpg + hpg).
+  lse: fp32 [R] their log-sum-exps (base 2, scale included, as the kernel keeps m).
+  slabs: int32 [B, Sq_pad, G, T] each query's slabs, left-packed (entries past count are ignored but must be
+    valid slabs, e.g. 0).
+  count: int32 [B, Sq_pad, G] partials per query and group.
+  """
+
+  o: jax.Array
+  lse: jax.Array
+  slabs: jax.Array
+  count: jax.Array
+
+
 def _ws_attention_kernel(
     q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool, ping_pong: str, with_lse: bool,
+    check_users: bool, acc_in_place: bool, ping_pong: str, merge: bool,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
-  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64].
-  outputs: o_ref [1, B, Sq_pad, Nq, D] (+ lse_ref fp32 [1, B, Sq_pad, Nq] when with_lse: m + log2(l) in
-  base-2 units of the scaled scores, -inf for rows that attended nothing).
-  scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
-  bit_smem int32 [W, 64]; lse_smem fp32 [W, 64] (None without with_lse); p_smem [W, 64, 128] (None: P stays
-  in registers); q_barrier (W barriers);
+  count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
+  when merge: the PartialsToMerge fields part_o_ref [R, D], part_lse_ref fp32 [R], slabs_ref int32
+  [B, Sq_pad, G, T], slab_count_ref int32 [B, Sq_pad, G].
+  outputs: o_ref [1, B, Sq_pad, Nq, D].
+  scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then the partial outputs it merges, then
+  its output tile); limit_smem, bit_smem int32 [W, 64]; part_lse_smem fp32 [W, 64] (None without merge);
+  p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers); merge_barrier (W barriers, None
+  without merge);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
   ping-pong: one's softmax overlaps the other's wgmma) when ping_pong == "every" (see
   SparseAttentionBlockSizes.ping_pong); "off" lets them run unpaired.
   """
-  if with_lse:
-    o_ref, lse_ref, *refs = refs
-  else:
-    (o_ref, *refs), lse_ref = refs, None
-  qo_smem, limit_smem, bit_smem, lse_smem, p_smem, q_barrier, schedule_barrier = refs
+  if merge:
+    part_o_ref, part_lse_ref, slabs_ref, slab_count_ref, *refs = refs
+  o_ref, qo_smem, limit_smem, bit_smem, part_lse_smem, p_smem, q_barrier, schedule_barrier, merge_barrier = refs
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
   batch = lax.axis_index("batch")
@@ -96,20 +116,53 @@ def _ws_attention_kernel(
         row_vector(0.0),
     )
     pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
-    acc, m_i, l_i = run_pipeline(init)
+    carry = run_pipeline(init)
     pl.when(wg == 0)(schedule)
+    if merge:
+      carry = merge_partials(my_first, carry)
+    acc, _, l_i = carry
     empty = l_i == 0.0
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
-    if lse_ref is not None:
-      lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m_i + jnp.log(jnp.where(empty, 1.0, l_i)) * LOG2E)
     plgpu.commit_smem()
     for i in range(queries_per_wg):
-      rows = pl.ds(i * heads_per_group, heads_per_group)
-      plgpu.copy_smem_to_gmem(my_q.at[rows], o_ref.at[0, batch, my_first + i, heads])
-      if lse_ref is not None:
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg, rows], lse_ref.at[0, batch, my_first + i, heads])
+      plgpu.copy_smem_to_gmem(my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
+                              o_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
+
+  def merge_partials(my_first, carry):
+    """Folds each query's partial outputs of other blocks into its online-softmax state: step j brings the
+    j-th partial of each of the warpgroup's queries ([16, D] rows and their log-sum-exps, into the query
+    buffer); a query with fewer partials reloads its last one (or slab 0) and masks it (lse -inf)."""
+    my_buf = qo_smem.at[wg]
+    my_lse = part_lse_smem.at[wg]
+    counts = [slab_count_ref[batch, my_first + i, group] for i in range(queries_per_wg)]
+    row_query = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE,), 0, layout=ROW_LAYOUT) // heads_per_group
+    row_count = jnp.zeros((ROWS_PER_TILE,), jnp.int32)
+    for i, n in enumerate(counts):
+      row_count = jnp.where(row_query == i, n, row_count)
+
+    def step(j, carry):
+      acc, m_i, l_i = carry
+      plgpu.commit_smem()  # every thread's reads of the previous partials are done before TMA overwrites them
+      for i, n in enumerate(counts):
+        slab = slabs_ref[batch, my_first + i, group, jnp.minimum(j, jnp.maximum(n - 1, 0))]
+        part_rows = pl.ds(slab * heads_per_group, heads_per_group)
+        rows = pl.ds(i * heads_per_group, heads_per_group)
+        plgpu.copy_gmem_to_smem(part_o_ref.at[part_rows], my_buf.at[rows], merge_barrier.at[wg])
+        plgpu.copy_gmem_to_smem(part_lse_ref.at[part_rows], my_lse.at[rows], merge_barrier.at[wg])
+      plgpu.barrier_wait(merge_barrier.at[wg])
+      part = plgpu.load(my_buf, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+      lse = jnp.where(j < row_count, plgpu.load(my_lse, layout=ROW_LAYOUT), -jnp.inf)
+      m_new = jnp.maximum(m_i, lse)
+      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      alpha = jnp.exp2(m_i - m_safe)
+      beta = jnp.exp2(lse - m_safe)
+      acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+             + part * lax.broadcast_in_dim(beta, acc.shape, [0]))
+      return acc, m_new, l_i * alpha + beta
+
+    return lax.fori_loop(0, functools.reduce(jnp.maximum, counts), step, carry)
 
   def skip(k_consumed, v_consumed, carry):
     plgpu.barrier_arrive(k_consumed)
@@ -218,8 +271,8 @@ def ws_attention_pallas(
     check_users: bool,
     p_in_smem: bool | None = None,
     interpret: Any = False,
-    with_lse: bool = False,
-) -> tuple[jax.Array, jax.Array | None]:
+    partials: PartialsToMerge | None = None,
+) -> tuple[jax.Array, None]:
   """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2).
 
   Args:
@@ -227,12 +280,11 @@ def ws_attention_pallas(
     plan: TilePlan built with queries_per_tile and compute_wgs of block_sizes.
     check_users: mask each row by its query's bit of the entry's user mask (sparse plans).
     p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode).
-    with_lse: also return each row's log-sum-exp, so that the output can be merged with other partial
-      outputs of the same queries (the hybrid prefill of api.py).
+    partials: other partial outputs of the same queries (other blocks, attended elsewhere) to merge into
+      each query's output before it is normalised and stored (the split loop order of api.py).
 
   Returns:
-    (o [1, B, Sq_pad, Nq, D] in q.dtype, lse fp32 [1, B, Sq_pad, Nq] base 2 or None without with_lse): the
-    launch contract of kernel_sm90.attention_pallas.
+    (o [1, B, Sq_pad, Nq, D] in q.dtype, None): the launch contract of kernel_sm90.attention_pallas.
   """
   b, sq_pad, nq, d = q.shape
   nkv = k.shape[2]
@@ -251,23 +303,30 @@ def ws_attention_pallas(
       # it). The GPU interpreter runs each simulated warpgroup on a pool thread; its barrier waits block
       # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
       # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
-      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong, with_lse=with_lse,
+      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong,
+      merge=partials is not None,
   )
+  merge = partials is not None
+  if merge and (partials.slabs.shape[:3] != (b, sq_pad, nkv) or partials.count.shape != (b, sq_pad, nkv)
+                or partials.o.shape[-1] != d or partials.o.shape[0] != partials.lse.shape[0]
+                or partials.o.shape[0] % hpg):
+    raise ValueError(f"partials do not match the launch: {jax.tree.map(jnp.shape, partials)}, {q.shape=}")
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
-      plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32) if with_lse else None,
+      plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32) if merge else None,
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs),
+      plgpu.Barrier(num_arrivals=2 * qpw, num_barriers=wgs) if merge else None,
   ]
-  out_type = [jax.ShapeDtypeStruct((1, b, sq_pad, nq, d), q.dtype)]
-  if with_lse:
-    out_type.append(jax.ShapeDtypeStruct((1, b, sq_pad, nq), jnp.float32))
-  outs = plgpu.kernel(
+  inputs = [q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit]
+  if merge:
+    inputs += [partials.o, partials.lse, partials.slabs, partials.count]
+  o = plgpu.kernel(
       kernel,
-      out_type=out_type,
+      out_type=jax.ShapeDtypeStruct((1, b, sq_pad, nq, d), q.dtype),
       # the last grid axis is CUDA x: consecutive CTAs are consecutive tiles of one KV group (shared K/V in L2)
       grid=(b, nkv, sq_pad // qpt),
       grid_names=("batch", "group", "tile"),
@@ -276,6 +335,6 @@ def ws_attention_pallas(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}{'_lse' if with_lse else ''}",
-  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
-  return outs[0], (outs[1] if with_lse else None)
+      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}{'_merge' if merge else ''}",
+  )(*inputs)
+  return o, None

@@ -1,6 +1,6 @@
 """The compiled sparse prefill's loop orders (loop_order.py, api._sparse_prefill_by_cost): the sharing counts
-and cost model that choose between them, the query-major kernel's log-sum-exp output that the split order
-merges, and each order (forced, and as chosen) against the reference."""
+and cost model that choose between them, the query-major kernel's merge of other partial outputs that the
+split order relies on, and each order (forced, and as chosen) against the reference."""
 
 from __future__ import annotations
 
@@ -138,38 +138,69 @@ def _mixed_selection() -> tuple[jax.Array, jax.Array]:
   return jnp.asarray(ids), jnp.arange(1030, 1044, dtype=jnp.int32)[None]
 
 
+def _numpy_partial(q, k, v, qi, g, block, position, scale):
+  """The attention of query qi's heads of group g over one key block up to its position, as a partial output:
+  (o [16, D] normalised, lse [16] base 2), by numpy in fp32."""
+  keys = np.arange(block * 128, min(block * 128 + 128, position + 1))
+  heads = slice(16 * g, 16 * g + 16)
+  s = np.asarray(q[0, qi, heads], np.float32) @ np.asarray(k[0, keys, g], np.float32).T * scale
+  top = s.max(-1, keepdims=True)
+  p = np.exp(s - top)
+  o = p @ np.asarray(v[0, keys, g], np.float32) / p.sum(-1, keepdims=True)
+  return o, (top[:, 0] + np.log(p.sum(-1))) * np.log2(np.e)
+
+
 @pytest.mark.interpret
 @kernel_modes.CPU_ONLY
-def test_query_major_log_sum_exp_output():
-  """The warp-specialized kernel's with_lse output: each row's log2 of the sum of exp(scaled scores) over the
-  keys it attended (its selected blocks up to its position), -inf for a row with none; the output unchanged."""
+def test_query_major_kernel_merges_partials():
+  """The warp-specialized kernel with PartialsToMerge: it attends each query's shared blocks (slots 0-1 of
+  _mixed_selection) and folds in partial outputs of its other blocks (slot 2), computed here by numpy and laid
+  out as slabs in a shuffled order with unused slabs between them; a query with no partial, one with partials
+  only, and warpgroups whose queries have different partial counts. Equals the reference over all slots."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
-  from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
+  from pallas_kernels.attention.kernel_sm90_ws import PartialsToMerge, ws_attention_pallas
 
   ids, positions = _mixed_selection()
   ids = jnp.pad(ids, [(0, 0), (0, 2), (0, 0), (0, 0)], constant_values=-1)
   positions = jnp.pad(positions, [(0, 0), (0, 2)], constant_values=-1)
+  ids, usable = _usable_ids(ids, positions, 1100)
   q, k, v = _qkv(1, 16, 32, 2, 64, 1152, jnp.bfloat16, seed=4)
-  ids, _ = _usable_ids(ids, positions, 1100)
-  plan = sparse_plan(ids, positions, num_keys=1100, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
-  o, lse = ws_attention_pallas(q, k, v, plan, scale=0.125, block_sizes=_TWO_WGS, check_users=True,
-                               interpret=plgpu.InterpretGPUParams(), with_lse=True)
-  qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
-  want = np.full((16, 32), -np.inf, np.float32)
-  for qi, g in itertools.product(range(16), range(2)):
-    keys = [key for blk in np.asarray(ids)[0, qi, g] if blk >= 0
-            for key in range(blk * 128, min(blk * 128 + 128, int(positions[0, qi]) + 1))]
-    if keys:
-      heads = slice(16 * g, 16 * g + 16)
-      s = qf[0, qi, heads] @ kf[0, keys, g].T * 0.125
-      want[qi, heads] = np.log2(np.exp(s).sum(-1))
-  got = np.asarray(lse[0, 0])
-  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
-  np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=2e-3, rtol=0)
+  ids_np = np.asarray(ids)
+  private = [(qi, g, int(ids_np[0, qi, g, 2])) for qi in range(16) for g in range(2) if ids_np[0, qi, g, 2] >= 0]
+  order = np.random.default_rng(0).permutation(len(private)) * 2 + 1  # slab of each partial; even slabs unused
+  part_o = np.full((2 * len(private) + 1, 16, 64), 7.0, np.float32)  # unused slabs hold garbage
+  part_lse = np.full((2 * len(private) + 1, 16), 50.0, np.float32)
+  slabs, count = np.zeros((1, 16, 2, 3), np.int32), np.zeros((1, 16, 2), np.int32)
+  for (qi, g, block), slab in zip(private, order):
+    part_o[slab], part_lse[slab] = _numpy_partial(q, k, v, qi, g, block, int(positions[0, qi]), 0.125)
+    slabs[0, qi, g, count[0, qi, g]] = slab
+    count[0, qi, g] += 1
+  shared_ids = ids.at[..., 2].set(-1)
+  plan = sparse_plan(shared_ids, positions, num_keys=1100, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
+  partials = PartialsToMerge(jnp.asarray(part_o.reshape(-1, 64), jnp.bfloat16), jnp.asarray(part_lse.reshape(-1)),
+                             jnp.asarray(slabs), jnp.asarray(count))
+  assert sorted(set(count[0].reshape(-1).tolist())) == [0, 1]
+  o, _ = ws_attention_pallas(q, k, v, plan, scale=0.125, block_sizes=_TWO_WGS, check_users=True,
+                             interpret=plgpu.InterpretGPUParams(), partials=partials)
   ref = sparse_attention_reference(q[:, :14], k[:, :1100], v[:, :1100], ids[:, :14], positions[:, :14],
                                    block_size=128, scale=0.125)
   _assert_close(o[0, 0, :14], ref[0], jnp.bfloat16)
+  assert (np.asarray(o[0, 0, 14:]) == 0).all()
+
+
+def test_partials_must_match_the_launch():
+  from pallas_kernels.attention.kernel_sm90_ws import PartialsToMerge, ws_attention_pallas
+
+  ids, positions = _mixed_selection()
+  q, k, v = _qkv(1, 16, 32, 2, 64, 1152, jnp.bfloat16)
+  positions = jnp.pad(positions, [(0, 0), (0, 2)], constant_values=-1)
+  plan = sparse_plan(jnp.pad(ids, [(0, 0), (0, 2), (0, 0), (0, 0)], constant_values=-1), positions, num_keys=1100,
+                     queries_per_tile=8, heads_per_group=16, compute_wgs=2)
+  bad = PartialsToMerge(jnp.zeros((32, 64), jnp.bfloat16), jnp.zeros((32,)), jnp.zeros((1, 14, 2, 3), jnp.int32),
+                        jnp.zeros((1, 16, 2), jnp.int32))
+  with pytest.raises(ValueError, match="partials do not match"):
+    ws_attention_pallas(q, k, v, plan, scale=0.125, block_sizes=_TWO_WGS, check_users=True, partials=bad)
 
 
 @pytest.mark.interpret
