@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
-from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, SparseAttentionBlockSizes
+from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, LSE_COLUMNS, SparseAttentionBlockSizes
 from pallas_kernels.attention.config import heuristic_block_sizes, kv_major_block_sizes
 from pallas_kernels.attention.config import one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
@@ -193,7 +193,7 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, inter
                                      interpret=_interpret_params(interpret))
   if block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS:  # partials laid out by (item, chunk): gather the pairs
     o = o.reshape(-1, hpg, o.shape[-1])[plan.pair_slab]
-    lse = lse.reshape(-1, hpg)[plan.pair_slab]
+    lse = lse.reshape(-1, hpg, LSE_COLUMNS)[plan.pair_slab, :, 0]
   return _merge_kv_major(o, lse, plan.valid)
 
 
@@ -251,7 +251,7 @@ def _split_pass(q, shared_ids, private_ids, positions, *, k, v, scale, block_siz
                      heads_per_group=hpg, compute_wgs=block_sizes.compute_wgs)
   o, _ = ws_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes, check_users=True,
                              p_in_smem=block_sizes.p_in_smem, interpret=_interpret_params(interpret),
-                             partials=PartialsToMerge(part_o, part_lse.reshape(-1), slabs, count))
+                             partials=PartialsToMerge(part_o, part_lse, slabs, count))
   return o[0]
 
 

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SparseAttentionBlockSizes
+from pallas_kernels.attention.config import KEY_BLOCK, LSE_COLUMNS, ROWS_PER_TILE, SparseAttentionBlockSizes
 from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, row_vector, smem_transforms
 from pallas_kernels.attention.plan import TilePlan
 
@@ -44,7 +44,9 @@ class PartialsToMerge:
 
   o: [R, D] rows of partial outputs (normalised: O / l), hpg consecutive rows per (query, KV group, partial)
     (the KV-major kernel's (item, chunk) layout: slab s is rows s * hpg .. s * hpg + hpg).
-  lse: fp32 [R] their log-sum-exps (base 2, scale included, as the kernel keeps m).
+  lse: fp32 [R, LSE_COLUMNS] their log-sum-exps (base 2, scale included, as the kernel keeps m), each row's
+    repeated across the columns (config.LSE_COLUMNS: a query's rows then land at an aligned offset of the
+    kernel's [64, LSE_COLUMNS] tile, as TMA loads into shared memory require).
   slabs: int32 [B, Sq_pad, G, T] each query's slabs, left-packed (entries past count are ignored but must be
     valid slabs, e.g. 0).
   count: int32 [B, Sq_pad, G] partials per query and group.
@@ -65,11 +67,12 @@ def _ws_attention_kernel(
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
   count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
-  when merge: the PartialsToMerge fields part_o_ref [R, D], part_lse_ref fp32 [R], slabs_ref int32
+  when merge: the PartialsToMerge fields part_o_ref [R, D], part_lse_ref fp32 [R, LSE_COLUMNS], slabs_ref int32
   [B, Sq_pad, G, T], slab_count_ref int32 [B, Sq_pad, G].
   outputs: o_ref [1, B, Sq_pad, Nq, D].
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then the partial outputs it merges, then
-  its output tile); limit_smem, bit_smem int32 [W, 64]; part_lse_smem fp32 [W, 64] (None without merge);
+  its output tile); limit_smem, bit_smem int32 [W, 64]; part_lse_smem fp32 [W, 64, LSE_COLUMNS] (None
+  without merge);
   p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers); merge_barrier (W barriers, None
   without merge);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
@@ -153,7 +156,8 @@ def _ws_attention_kernel(
         plgpu.copy_gmem_to_smem(part_lse_ref.at[part_rows], my_lse.at[rows], merge_barrier.at[wg])
       plgpu.barrier_wait(merge_barrier.at[wg])
       part = plgpu.load(my_buf, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      lse = jnp.where(j < row_count, plgpu.load(my_lse, layout=ROW_LAYOUT), -jnp.inf)
+      lse = plgpu.load(my_lse, layout=plgpu.Layout.WGMMA).max(axis=1)  # the columns hold the same value
+      lse = jnp.where(j < row_count, lse, -jnp.inf)
       m_new = jnp.maximum(m_i, lse)
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       alpha = jnp.exp2(m_i - m_safe)
@@ -308,14 +312,14 @@ def ws_attention_pallas(
   )
   merge = partials is not None
   if merge and (partials.slabs.shape[:3] != (b, sq_pad, nkv) or partials.count.shape != (b, sq_pad, nkv)
-                or partials.o.shape[-1] != d or partials.o.shape[0] != partials.lse.shape[0]
+                or partials.o.shape[-1] != d or partials.lse.shape != (partials.o.shape[0], LSE_COLUMNS)
                 or partials.o.shape[0] % hpg):
     raise ValueError(f"partials do not match the launch: {jax.tree.map(jnp.shape, partials)}, {q.shape=}")
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
-      plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32) if merge else None,
+      plgpu.SMEM((wgs, ROWS_PER_TILE, LSE_COLUMNS), jnp.float32) if merge else None,
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs),

@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.attention import SparseAttentionBlockSizes, sparse_attention, sparse_attention_reference
 from pallas_kernels.attention import loop_order
 from pallas_kernels.attention.api import _sparse_prefill_by_cost
+from pallas_kernels.attention.config import LSE_COLUMNS
 from pallas_kernels.attention.plan import sparse_plan
 from pallas_kernels.attention.plan_kv_major import usable_slots
 import kernel_modes
@@ -178,7 +179,8 @@ def test_query_major_kernel_merges_partials():
     count[0, qi, g] += 1
   shared_ids = ids.at[..., 2].set(-1)
   plan = sparse_plan(shared_ids, positions, num_keys=1100, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
-  partials = PartialsToMerge(jnp.asarray(part_o.reshape(-1, 64), jnp.bfloat16), jnp.asarray(part_lse.reshape(-1)),
+  lse_rows = np.repeat(part_lse.reshape(-1, 1), LSE_COLUMNS, axis=1)
+  partials = PartialsToMerge(jnp.asarray(part_o.reshape(-1, 64), jnp.bfloat16), jnp.asarray(lse_rows),
                              jnp.asarray(slabs), jnp.asarray(count))
   assert sorted(set(count[0].reshape(-1).tolist())) == [0, 1]
   o, _ = ws_attention_pallas(q, k, v, plan, scale=0.125, block_sizes=_TWO_WGS, check_users=True,
@@ -197,8 +199,8 @@ def test_partials_must_match_the_launch():
   positions = jnp.pad(positions, [(0, 0), (0, 2)], constant_values=-1)
   plan = sparse_plan(jnp.pad(ids, [(0, 0), (0, 2), (0, 0), (0, 0)], constant_values=-1), positions, num_keys=1100,
                      queries_per_tile=8, heads_per_group=16, compute_wgs=2)
-  bad = PartialsToMerge(jnp.zeros((32, 64), jnp.bfloat16), jnp.zeros((32,)), jnp.zeros((1, 14, 2, 3), jnp.int32),
-                        jnp.zeros((1, 16, 2), jnp.int32))
+  bad = PartialsToMerge(jnp.zeros((32, 64), jnp.bfloat16), jnp.zeros((32, LSE_COLUMNS)),
+                        jnp.zeros((1, 14, 2, 3), jnp.int32), jnp.zeros((1, 16, 2), jnp.int32))
   with pytest.raises(ValueError, match="partials do not match"):
     ws_attention_pallas(q, k, v, plan, scale=0.125, block_sizes=_TWO_WGS, check_users=True, partials=bad)
 
