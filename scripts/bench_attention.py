@@ -39,9 +39,6 @@ from pallas_kernels.attention import (
     KvMajorBlockSizes, SparseAttentionBlockSizes, causal_attention, causal_attention_reference, sparse_attention,
     sparse_attention_reference,
 )
-from pallas_kernels.attention import loop_order
-from pallas_kernels.attention.api import _sparse_prefill_by_cost
-from pallas_kernels.attention.plan_kv_major import usable_slots
 from pallas_kernels.indexer import IndexerBlockSizes, index_block_scores_reference, indexer_topk
 from pallas_kernels.indexer import indexer_topk_reference
 from pallas_kernels.indexer.api import select_blocks_sorted
@@ -50,15 +47,6 @@ NQ, NKV, D, HI, DI, TOPK, BLOCK = 64, 4, 128, 4, 128, 16, 128
 SCALE = D ** -0.5
 ROWS: list[dict] = []
 INTERPRET = False  # --interpret: CPU dry run of this script on tiny sizes (kernels in GPU interpret mode)
-PREFILL_WS = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")
-
-
-@dataclasses.dataclass(frozen=True)
-class ForcedOrder:
-  """A variant that runs the compiled prefill in one loop order (loop_order.QUERY_MAJOR / SPLIT / KV_MAJOR)
-  whatever the cost model would choose."""
-
-  order: int
 
 
 def timed(fn, *args, iters: int = 5):
@@ -262,37 +250,14 @@ def sparse_prefill_on(ids, sel, with_ref, variants):
     ref, ms, how = timed(fn, q, k, v, ids, pos, iters=1 if s > 40000 else 3)
     record("sparse_prefill", S=s, selection=sel, variant="xla_reference", ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), timer=how)
-  record_order_costs(ids, pos, s, sel)
   for name, bs in variants:
-    if isinstance(bs, ForcedOrder):
-      fn = jax.jit(lambda q, k, v, ids, pos, bs=bs: _sparse_prefill_by_cost(
-          q, k, v, ids, pos, scale=SCALE, block_sizes=PREFILL_WS, order=bs.order, interpret=INTERPRET))
-    else:
-      fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=SCALE, block_sizes=bs,
-                                     interpret=INTERPRET))
+    fn = jax.jit(functools.partial(sparse_attention, block_size=BLOCK, scale=SCALE, block_sizes=bs, interpret=INTERPRET))
     out, ms, how = timed(fn, q, k, v, ids, pos, iters=5 if s <= 40000 else 2)
     err = rel_err(out, ref) if ref is not None else None
     record("sparse_prefill", S=s, selection=sel, union_q4=union_q4, variant=name, ms=round(ms, 3),
            tflops=round(flops / ms / 1e9, 1), rel_err=err, timer=how)
-    if (bs is None or isinstance(bs, (KvMajorBlockSizes, ForcedOrder))) and not INTERPRET:  # kernels and times
+    if (bs is None or isinstance(bs, KvMajorBlockSizes)) and not INTERPRET:  # which kernels ran, and their time
       kernel_breakdown(fn, (q, k, v, ids, pos), s, sel, name)
-
-
-def record_order_costs(ids, pos, s, sel):
-  """The cost model's estimate of each loop order on these selections (loop_order.order_costs) and its choice,
-  to set beside the forced orders' measured times."""
-  qpt = PREFILL_WS.queries_per_tile
-  sq_pad = -(-s // qpt) * qpt
-  ids = jnp.pad(ids, [(0, 0), (0, sq_pad - s), (0, 0), (0, 0)], constant_values=-1)
-  pos = jnp.pad(pos, [(0, 0), (0, sq_pad - s)], constant_values=-1)
-  usable = usable_slots(ids, pos, s)
-  ids = jnp.where(usable, ids, -1)
-  sharing = loop_order.slot_sharing(ids, usable, qpt, PREFILL_WS.compute_wgs)
-  costs = np.asarray(loop_order.order_costs(ids, sharing, qpt))
-  shared = float(jnp.mean(loop_order.shared_slots(sharing)[usable]))
-  record("order_costs", S=s, selection=sel, **{f"{n} est ms": round(float(c) / 1e6, 3)
-                                              for n, c in zip(loop_order.ORDER_NAMES, costs)},
-         chosen=loop_order.ORDER_NAMES[int(np.argmin(costs))], shared_pairs=round(shared, 3))
 
 
 def kernel_breakdown(fn, args, s, sel, name):
@@ -405,10 +370,6 @@ def table() -> str:
       lines.append(f"| kv_major_floor | S={r['S']} | {r['partial_GB']} GB of bf16 partials: write + merge | "
                    f"{r['write_ms']} + {r['merge_ms']} = {r['floor_ms']} ms | {r['write_GBs']} / {r['merge_GBs']} GB/s | "
                    f"{r['rel_err']} |")
-    elif r["section"] == "order_costs":
-      estimates = ", ".join(f"{n} {r[f'{n} est ms']} ms" for n in loop_order.ORDER_NAMES)
-      lines.append(f"| order_costs | S={r['S']} {r['selection']} | estimates: {estimates} | | chosen: {r['chosen']} | "
-                   f"shared pairs {r['shared_pairs']} |")
     elif r["section"] in ("decode_kernels", "decode_check", "sparse_union", "kernel_breakdown"):
       continue
     else:
@@ -431,8 +392,6 @@ def main():
                        "kvmajor (memory floor of a KV-major sparse prefill), dense, decode")
   ap.add_argument("--locality-private", default=f"0,1,2,4,7,{TOPK - 2}", metavar="N,N",
                   help="private blocks per query of the locality sweep's selections")
-  ap.add_argument("--forced-orders", action="store_true",
-                  help="also time the default prefill forced into the split and KV-major loop orders")
   ap.add_argument("--kv-panels", default="", metavar="N,N",
                   help="also time the KV-major kernel with work items ordered by panels of N queries")
   ap.add_argument("--only", default=None, metavar="REGEX",
@@ -447,9 +406,9 @@ def main():
   print(jax.devices(), flush=True)
   ceilings()
   bw = next((r["value"] for r in ROWS if r.get("what", "").startswith("copy")), 3000.0)
-  variants = [  # the first is the default (the loop order chosen by loop_order.order_costs), the second the
+  variants = [  # the first is the default (the next one or KV-major, by prefers_kv_major), the second the
       # query-major prefill default (heuristic_block_sizes)
-      ("default (loop order chosen on the device)", None),
+      ("default (query-major Q=8 or KV-major, chosen on the device)", None),
       ("Q=8 2 compute WGs stages=2, no ping-pong",
        SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")),
       ("Q=8 2 WGs, ping-pong on every entry",
@@ -475,9 +434,6 @@ def main():
   if INTERPRET:  # the one-warpgroup kernel, as the heuristic picks when interpreting (see its docstring)
     variants = [v for v in variants if v[1] is not None and v[1].compute_wgs == 1][:1]
     kv_major = kv_major[:1]
-  elif args.forced_orders:  # each loop order of the default prefill, forced (beside the cost model's estimates)
-    kv_major = [(f"order forced: {loop_order.ORDER_NAMES[o]}", ForcedOrder(o))
-                for o in (loop_order.SPLIT, loop_order.KV_MAJOR)] + kv_major
   sections = set(args.sections.split(","))
   for s in sizes:
     with_ref = s <= 40000 or not args.quick

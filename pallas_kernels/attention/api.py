@@ -3,9 +3,9 @@
 Same signatures and semantics as reference.py (plus `interpret` and tuning arguments). Both run the
 query-major block-list kernels (kernel_sm90.py, kernel_sm90_ws.py); causal_attention first tries cuDNN's fused
 attention when the queries are a plain prefill (Sq == Sk and q_positions == arange, checked at run time with
-lax.cond). sparse_attention's compiled prefill also holds the KV-major kernel (kernel_sm90_kv_major.py) and a
-split of the pairs between the two, and runs whichever loop order a cost model of the selections estimates
-cheapest (loop_order.py, lax.switch on the device).
+lax.cond). sparse_attention's compiled prefill also holds the KV-major kernel (kernel_sm90_kv_major.py) and
+runs it instead when the selections are shared too little between adjacent queries (prefers_kv_major,
+lax.cond on the device).
 
 dtypes: bf16/f16 (fp32 softmax and accumulation, P rounded to the input dtype before P.V, like the
 reference). Other dtypes, block_size != 128, head dim not in {64, 128} or more than 64 heads per KV group
@@ -24,15 +24,14 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES, KvMajorBlockSizes
-from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, LSE_COLUMNS, SparseAttentionBlockSizes
+from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, SparseAttentionBlockSizes
 from pallas_kernels.attention.config import heuristic_block_sizes, kv_major_block_sizes
 from pallas_kernels.attention.config import one_warpgroup_queries_per_tile
 from pallas_kernels.attention.kernel_sm90 import attention_pallas
 from pallas_kernels.attention.kernel_sm90_kv_major import kv_major_attention_pallas
-from pallas_kernels.attention.kernel_sm90_ws import PartialsToMerge, ws_attention_pallas
-from pallas_kernels.attention.loop_order import SPLIT, choose_order, order_costs, shared_slots, slot_sharing
+from pallas_kernels.attention.kernel_sm90_ws import ws_attention_pallas
 from pallas_kernels.attention.plan import dense_causal_plan, padded_query_count, sparse_plan
-from pallas_kernels.attention.plan_kv_major import KvMajorPlan, kv_major_plan, usable_slots
+from pallas_kernels.attention.plan_kv_major import kv_major_plan, usable_slots
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -193,7 +192,7 @@ def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, inter
                                      interpret=_interpret_params(interpret))
   if block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS:  # partials laid out by (item, chunk): gather the pairs
     o = o.reshape(-1, hpg, o.shape[-1])[plan.pair_slab]
-    lse = lse.reshape(-1, hpg, LSE_COLUMNS)[plan.pair_slab, :, 0]
+    lse = lse.reshape(-1, hpg)[plan.pair_slab]
   return _merge_kv_major(o, lse, plan.valid)
 
 
@@ -226,107 +225,48 @@ def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interp
   return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
 
 
-def _left_packed_slabs(plan: KvMajorPlan) -> tuple[jax.Array, jax.Array]:
-  """(slabs int32 [B, Sq, G, T], count int32 [B, Sq, G]): each query's KV-major partials (pair_slab of its
-  valid slots) moved to the front of its row, 0 behind them."""
-  order = jnp.argsort(~plan.valid, axis=-1, stable=True)
-  return jnp.take_along_axis(plan.pair_slab, order, axis=-1), plan.valid.sum(-1, dtype=jnp.int32)
+# The query-major prefill kernel pays per K/V block load (one per entry of each 8-query tile's union list;
+# ~11-13 ns each on an H100, L2-bound), the KV-major one per selected (query, group, block) pair (~5.0 ns:
+# its Q gather, partial output and merge, HBM-bound). bench_attention.py, M3 dims, H100, 32K and 128K:
+# query-major 12.9 / 71.6 ms on random selections (loads / pairs 0.58 / 0.79), 7.8 / 37.7 ms on correlated
+# ones (0.30 / 0.37); KV-major (one warpgroup, "q_buffer") 10.3 / 41.8 ms on both: the locality sweep crossed
+# over at 7 private blocks per query (0.43). With kv_major_block_sizes (3 warpgroups, "separate_one_store";
+# 9.4 ms at 32K whatever the overlap, H100, thirty-first session) it crosses at ~6 (query-major 8.02 ms at 4
+# private blocks, loads / pairs 0.32; 10.16 ms at 7, 0.43; interpolated 9.42 ms at ~0.40).
+KV_MAJOR_LOAD_RATIO = 0.40
 
 
-def _split_pass(q, shared_ids, private_ids, positions, *, k, v, scale, block_sizes, kv_block_sizes, interpret):
-  """One pass of the split loop order: the KV-major kernel on the private pairs, then the query-major kernel on
-  the shared ones, which merges each query's KV-major partials into its output.
-
-  q [B, Sp, Nkv * hpg, D] (heads padded, Sp % queries_per_tile == 0); shared_ids, private_ids int32
-  [B, Sp, G, T]; positions int32 [B, Sp] (-1 padding). Returns [B, Sp, Nkv * hpg, D].
-  """
-  hpg = q.shape[2] // k.shape[2]
-  kp, vp = _pad_keys(k, v)
-  kv_plan = kv_major_plan(private_ids, positions, num_keys=k.shape[1], heads_per_group=hpg,
-                          chunks_per_item=kv_block_sizes.chunks_per_item, query_panel=kv_block_sizes.query_panel)
-  part_o, part_lse = kv_major_attention_pallas(q, kp, vp, kv_plan, scale=scale, block_sizes=kv_block_sizes,
-                                               interpret=_interpret_params(interpret))
-  slabs, count = _left_packed_slabs(kv_plan)
-  plan = sparse_plan(shared_ids, positions, num_keys=k.shape[1], queries_per_tile=block_sizes.queries_per_tile,
-                     heads_per_group=hpg, compute_wgs=block_sizes.compute_wgs)
-  o, _ = ws_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes, check_users=True,
-                             p_in_smem=block_sizes.p_in_smem, interpret=_interpret_params(interpret),
-                             partials=PartialsToMerge(part_o, part_lse, slabs, count))
-  return o[0]
+def prefers_kv_major(list_count: jax.Array, pairs: jax.Array) -> jax.Array:
+  """bool scalar: the KV-major kernel is expected faster, i.e. the query-major plan's K/V block loads
+  (list_count summed: [B, tiles, G] union lengths of its tiles) exceed KV_MAJOR_LOAD_RATIO x the selected
+  (query, group, block) pairs."""
+  return jnp.sum(list_count, dtype=jnp.float32) > KV_MAJOR_LOAD_RATIO * jnp.sum(pairs, dtype=jnp.float32)
 
 
-def _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret=False, order=None):
-  """A prefill in the loop order loop_order.choose_order estimates cheapest on these selections (decided on
-  the device, lax.switch): query-major (the warp-specialized kernel, block_sizes), KV-major
-  (kv_major_block_sizes), or split by sharing: the pairs whose block >= 2 queries of their warpgroup selected
-  run query-major, the others KV-major first, and the query-major kernel merges each query's KV-major partials
-  into its output (_split_pass, in passes of at most kv_major_block_sizes' query_chunk queries). The split
-  needs a KV-major staging laid out by (item, chunk) (heads per group dividing 64); without it the split is
-  never chosen. sparse_attention uses this compiled; tests call it with interpret=True.
-
-  order: loop_order.QUERY_MAJOR / SPLIT / KV_MAJOR to force one (benchmarks, tests); None: by cost.
-  """
+def _sparse_prefill_either_order(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret=False):
+  """A prefill: the query-major warp-specialized kernel (block_sizes), or the KV-major kernel when
+  prefers_kv_major says so on these selections (decided on the device, lax.cond). sparse_attention uses it
+  compiled; tests call it with interpret=True."""
   b, sq, nq, d = q.shape
   nkv = k.shape[2]
   hpg = _kernel_heads_per_group(nq // nkv)
   block_sizes = _fit_block_sizes(block_sizes, hpg, d)
-  if block_sizes.compute_wgs != 2:
-    raise ValueError(f"the prefill orders run the warp-specialized query-major kernel, got {block_sizes}")
-  kv_block_sizes = kv_major_block_sizes(hpg)
-  can_split = kv_block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS
-  if order == SPLIT and not can_split:
-    raise NotImplementedError(f"the split loop order needs heads per group dividing 64, got {hpg}")
   qpt = block_sizes.queries_per_tile
   sq_pad = padded_query_count(sq, qpt)
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
-  ids = jnp.pad(block_ids.astype(jnp.int32), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)], constant_values=-1)
-  usable = usable_slots(ids, positions, k.shape[1])
-  ids = jnp.where(usable, ids, -1)
-  sharing = slot_sharing(ids, usable, qpt, block_sizes.compute_wgs)
+  plan = _sparse_plan_builder(block_ids, k.shape[1])(positions, sq_pad, qpt, block_sizes.compute_wgs, hpg)
+  pairs = usable_slots(block_ids.astype(jnp.int32), q_positions.astype(jnp.int32), k.shape[1])
 
-  def query_major(q, k, v, ids, shared):
-    del shared
-    return _run_kernel(q, k, v, q_positions, lambda *_: sparse_plan(
-        ids, positions, num_keys=k.shape[1], queries_per_tile=qpt, heads_per_group=hpg,
-        compute_wgs=block_sizes.compute_wgs), 1, scale=scale, block_sizes=block_sizes, check_users=True,
-        interpret=interpret)
+  def query_major(q, k, v, block_ids, q_positions):
+    del block_ids
+    return _run_kernel(q, k, v, q_positions, lambda *_: plan, 1, scale=scale, block_sizes=block_sizes,
+                       check_users=True, interpret=interpret)
 
-  def split(q, k, v, ids, shared):
-    qh = jnp.pad(_pad_heads(q, nkv, hpg), [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
-    args = (qh, jnp.where(shared, ids, -1), jnp.where(shared, -1, ids), positions)
-    run = functools.partial(_split_pass, k=k, v=v, scale=scale, block_sizes=block_sizes,
-                            kv_block_sizes=kv_block_sizes, interpret=interpret)
-    chunk = max(qpt, kv_block_sizes.query_chunk // b // qpt * qpt)
-    if sq_pad <= chunk:
-      o = run(*args)
-    else:
-      passes = -(-sq_pad // chunk)
-      pad = passes * chunk - sq_pad
-
-      def by_pass(x, fill):
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-        return jnp.swapaxes(x.reshape(b, passes, chunk, *x.shape[2:]), 0, 1)
-
-      o = jax.lax.map(lambda a: run(*a), tuple(by_pass(x, f) for x, f in zip(args, (0, -1, -1, -1))))
-      o = jnp.swapaxes(o, 0, 1).reshape(b, passes * chunk, *o.shape[3:])
-    o = o[:, :sq]
-    if hpg * nkv == nq:
-      return o
-    return o.reshape(b, sq, nkv, hpg, d)[:, :, :, : nq // nkv].reshape(b, sq, nq, d)
-
-  def kv_major(q, k, v, ids, shared):
-    del shared
-    return _run_kv_major(q, k, v, ids[:, :sq], q_positions, scale=scale, block_sizes=kv_block_sizes,
+  def kv_major(q, k, v, block_ids, q_positions):
+    return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=kv_major_block_sizes(hpg),
                          interpret=interpret)
 
-  branches = [query_major, split, kv_major]  # indexed by loop_order.QUERY_MAJOR, SPLIT, KV_MAJOR
-  operands = (q, k, v, ids, shared_slots(sharing))
-  if order is not None:
-    return branches[order](*operands)
-  costs = order_costs(ids, sharing, qpt)
-  if not can_split:
-    costs = costs.at[SPLIT].set(jnp.inf)
-  return jax.lax.switch(choose_order(costs), branches, *operands)
+  return jax.lax.cond(prefers_kv_major(plan.count, pairs), kv_major, query_major, q, k, v, block_ids, q_positions)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "scale", "chunk_size", "interpret", "block_sizes"))
@@ -355,8 +295,8 @@ def sparse_attention(
     interpret: True (or plgpu.InterpretGPUParams) to run the kernel on CPU in GPU interpret mode.
     block_sizes: optional SparseAttentionBlockSizes (query-major kernels) or KvMajorBlockSizes (the KV-major
       kernel, kernel_sm90_kv_major.py). None: heuristic_block_sizes; where that picks the warp-specialized
-      prefill kernel (compiled, many queries), the loop order (query-major, KV-major or split between
-      them) is chosen on the device from the selections (_sparse_prefill_by_cost, loop_order.py).
+      prefill kernel (compiled, many queries), the KV-major kernel runs instead on selections that
+      adjacent queries share too little (prefers_kv_major, decided on the device).
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
@@ -381,7 +321,7 @@ def sparse_attention(
   if block_sizes is None and not interpret:
     chosen = heuristic_block_sizes(b, sq, k.shape[2], hpg, max(list_len, 1), warp_specialized=True, sparse=True)
     if chosen.compute_wgs == 2:
-      return _sparse_prefill_by_cost(q, k, v, block_ids, q_positions, scale=scale, block_sizes=chosen)
+      return _sparse_prefill_either_order(q, k, v, block_ids, q_positions, scale=scale, block_sizes=chosen)
   return _run_kernel(
       q, k, v, q_positions, make_plan, max(list_len, 1), scale=scale, block_sizes=block_sizes,
       check_users=True, interpret=interpret,

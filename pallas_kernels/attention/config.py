@@ -106,10 +106,6 @@ def heuristic_block_sizes(
 _STAGINGS = ("q_buffer", "q_buffer_one_store", "separate", "separate_one_store", "halves", "registers")
 # Stagings whose partial outputs are laid out by (item, chunk) (KvMajorPlan.pair_slab maps them to the pairs).
 CHUNK_LAYOUT_STAGINGS = ("registers", "q_buffer_one_store", "separate_one_store")
-# Their log-sum-exps are [rows, LSE_COLUMNS] fp32, each row's value repeated: 32-byte rows put every slab of
-# 8 or 16 rows at a 128-byte aligned offset of a [64, 8] tile, as a TMA load into shared memory needs (the
-# query-major kernel reads them back that way to merge them: kernel_sm90_ws.PartialsToMerge).
-LSE_COLUMNS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,8 +184,7 @@ class KvMajorBlockSizes:
     and the log-sum-exps (+ 4 KB for barriers and the alignment of swizzled buffers, as
     SparseAttentionBlockSizes.smem_bytes)."""
     staging_cols = self.output_buffer_columns(head_dim) or 0
-    lse = {"registers": 0, "q_buffer_one_store": LSE_COLUMNS, "separate_one_store": LSE_COLUMNS}.get(
-        self.output_staging, 1) * ROWS_PER_TILE * 4
+    lse = 0 if self.output_staging == "registers" else ROWS_PER_TILE * 4
     per_wg = (2 * head_dim + staging_cols) * ROWS_PER_TILE * itemsize + 2 * ROWS_PER_TILE * 4 + lse
     return 2 * KEY_BLOCK * head_dim * itemsize + self.compute_wgs * per_wg + 4096
 

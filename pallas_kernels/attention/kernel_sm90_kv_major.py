@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention.config import CHUNK_LAYOUT_STAGINGS, KEY_BLOCK, ROWS_PER_TILE, SMEM_LIMIT_BYTES
-from pallas_kernels.attention.config import LSE_COLUMNS, KvMajorBlockSizes
+from pallas_kernels.attention.config import KvMajorBlockSizes
 from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, p_times_v, smem_transforms
 from pallas_kernels.attention.plan_kv_major import (
     ITEM_BATCH, ITEM_BLOCK, ITEM_COUNT, ITEM_GROUP, ITEM_START, KvMajorPlan, queries_per_chunk,
@@ -49,15 +49,13 @@ def _kv_major_kernel(
   pair_slot_ref int32 [P]; chunk_limit_ref int32 [N, C, 64];
   outputs: o_ref [B, Sq_pad, Nkv, T, hpg, D], lse_ref fp32 [B, Sq_pad, Nkv, T, hpg] (base 2, scale included);
     with the stagings laid out by chunk ("*_one_store", "registers"): o_ref [N * C * 64, D], lse_ref fp32
-    [N * C * 64, LSE_COLUMNS] (rows of chunk c of item i at (i * C + c) * 64; each lse repeated across the
-    columns);
+    [N * C * 64] (rows of chunk c of item i at (i * C + c) * 64);
   scratch (smem; W = compute_wgs, the leading W axes are per warpgroup): k_smem, v_smem [128, D]; q_smem
   [W, 2, 64, D]; limit_smem int32 [W, 2, 64]; o_smem: None (staging "q_buffer": a chunk's output goes to its
   own Q buffer, and the prefetch into a buffer first waits for the stores out of it; "registers": no
   staging), [W, 64, D] ("separate", "separate_one_store") or [W, 64, 64] ("halves": the output leaves in
   64-column parts); with "halves", "separate_one_store" and "registers" the buffer of a warpgroup's chunk c
-  is refilled with its chunk c + 2W right after S = QK^T; lse_smem fp32 [W, 64] ([W, 64, LSE_COLUMNS] with
-  the "*_one_store" stagings, None with "registers");
+  is refilled with its chunk c + 2W right after S = QK^T; lse_smem fp32 [W, 64] (None with "registers");
   p_smem [W, 64, 128] (None: P stays in registers); kv_barrier (2 arrivals); q_barrier (2W barriers of
   Qc + 1 arrivals: stage s of warpgroup w is barrier 2w + s).
   """
@@ -129,7 +127,6 @@ def _kv_major_kernel(
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, l)) * LOG2E)
     if by_chunk:  # the chunk's 64 rows, padding rows included (their lse is -inf and no pair maps to them)
       rows = pl.ds((item * chunks_per_item + chunk) * ROWS_PER_TILE, ROWS_PER_TILE)
-      lse = lax.broadcast_in_dim(lse, (ROWS_PER_TILE, LSE_COLUMNS), [0])
       if direct:
         o_ref.at[rows][...] = out
         lse_ref.at[rows][...] = lse
@@ -205,8 +202,8 @@ def kv_major_attention_pallas(
     (o [B, Sq_pad, Nkv, T, hpg, D] in q.dtype, lse fp32 [B, Sq_pad, Nkv, T, hpg] base 2): entries of the
     slots plan.valid marks; the others are left unwritten. With a staging laid out by chunk ("registers",
     "q_buffer_one_store", "separate_one_store"; heads per group dividing 64): (o [N * C * 64, D], lse
-    fp32 [N * C * 64, LSE_COLUMNS]), whose rows viewed as [N * C * Qc, hpg] slabs hold the pairs at
-    plan.pair_slab (rows of chunks an item does not have are left unwritten).
+    fp32 [N * C * 64]), whose rows viewed as [N * C * Qc, hpg] slabs hold the pairs at plan.pair_slab
+    (rows of chunks an item does not have are left unwritten).
   """
   b, sq_pad, nq, d = q.shape
   nkv = k.shape[2]
@@ -241,7 +238,7 @@ def kv_major_attention_pallas(
       plgpu.SMEM((wgs, 2, ROWS_PER_TILE, d), q.dtype, **tiled),
       plgpu.SMEM((wgs, 2, ROWS_PER_TILE), jnp.int32),
       None if o_columns is None else plgpu.SMEM((wgs, ROWS_PER_TILE, o_columns), q.dtype, **tiled),
-      None if direct else plgpu.SMEM((wgs, ROWS_PER_TILE) + ((LSE_COLUMNS,) if by_chunk else ()), jnp.float32),
+      None if direct else plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.float32),
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, **tiled) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=2, num_barriers=1),
       plgpu.Barrier(num_arrivals=qc + 1, num_barriers=2 * wgs),
@@ -250,7 +247,7 @@ def kv_major_attention_pallas(
       kernel,
       out_type=[
           jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE, d), q.dtype),
-          jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE, LSE_COLUMNS), jnp.float32),
+          jax.ShapeDtypeStruct((n_items * chunks * ROWS_PER_TILE,), jnp.float32),
       ] if by_chunk else [
           jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg, d), q.dtype),
           jax.ShapeDtypeStruct((b, sq_pad, nkv, t, hpg), jnp.float32),

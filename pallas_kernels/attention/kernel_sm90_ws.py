@@ -20,7 +20,6 @@ No splits (prefill has enough tiles to fill the GPU).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -30,58 +29,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention.config import KEY_BLOCK, LSE_COLUMNS, ROWS_PER_TILE, SparseAttentionBlockSizes
+from pallas_kernels.attention.config import KEY_BLOCK, ROWS_PER_TILE, SparseAttentionBlockSizes
 from pallas_kernels.attention.kernel_sm90 import LOG2E, ROW_LAYOUT, mask_invisible_keys, row_vector, smem_transforms
 from pallas_kernels.attention.plan import TilePlan
 
 _MEMORY_REGISTERS = 40
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PartialsToMerge:
-  """Partial outputs of the launch's queries over other key blocks, merged into their outputs by the kernel.
-
-  o: [R, D] rows of partial outputs (normalised: O / l), hpg consecutive rows per (query, KV group, partial)
-    (the KV-major kernel's (item, chunk) layout: slab s is rows s * hpg .. s * hpg + hpg).
-  lse: fp32 [R, LSE_COLUMNS] their log-sum-exps (base 2, scale included, as the kernel keeps m), each row's
-    repeated across the columns (config.LSE_COLUMNS: a query's rows then land at an aligned offset of the
-    kernel's [64, LSE_COLUMNS] tile, as TMA loads into shared memory require).
-  slabs: int32 [B, Sq_pad, G, T] each query's slabs, left-packed (entries past count are ignored but must be
-    valid slabs, e.g. 0).
-  count: int32 [B, Sq_pad, G] partials per query and group.
-  """
-
-  o: jax.Array
-  lse: jax.Array
-  slabs: jax.Array
-  count: jax.Array
-
-
 def _ws_attention_kernel(
-    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
+    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
+    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool, ping_pong: str, merge: bool,
+    check_users: bool, acc_in_place: bool, ping_pong: str,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
   count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
-  when merge: the PartialsToMerge fields part_o_ref [R, D], part_lse_ref fp32 [R, LSE_COLUMNS], slabs_ref int32
-  [B, Sq_pad, G, T], slab_count_ref int32 [B, Sq_pad, G].
-  outputs: o_ref [1, B, Sq_pad, Nq, D].
-  scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then the partial outputs it merges, then
-  its output tile); limit_smem, bit_smem int32 [W, 64]; part_lse_smem fp32 [W, 64, LSE_COLUMNS] (None
-  without merge);
-  p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers); merge_barrier (W barriers, None
-  without merge);
+  o_ref [1, B, Sq_pad, Nq, D].
+  scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
+  bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
   schedule_barrier (W arrivals): the compute warpgroups take turns on the tensor cores (FlashAttention-3's
   ping-pong: one's softmax overlaps the other's wgmma) when ping_pong == "every" (see
   SparseAttentionBlockSizes.ping_pong); "off" lets them run unpaired.
   """
-  if merge:
-    part_o_ref, part_lse_ref, slabs_ref, slab_count_ref, *refs = refs
-  o_ref, qo_smem, limit_smem, bit_smem, part_lse_smem, p_smem, q_barrier, schedule_barrier, merge_barrier = refs
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
   batch = lax.axis_index("batch")
@@ -119,11 +90,8 @@ def _ws_attention_kernel(
         row_vector(0.0),
     )
     pl.when(wg == 1)(schedule)  # warpgroup 0 takes the tensor cores first
-    carry = run_pipeline(init)
+    acc, _, l_i = run_pipeline(init)
     pl.when(wg == 0)(schedule)
-    if merge:
-      carry = merge_partials(my_first, carry)
-    acc, _, l_i = carry
     empty = l_i == 0.0
     out = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l_i), acc.shape, [0])
     my_q[...] = out.astype(my_q.dtype)
@@ -132,41 +100,6 @@ def _ws_attention_kernel(
       plgpu.copy_smem_to_gmem(my_q.at[pl.ds(i * heads_per_group, heads_per_group)],
                               o_ref.at[0, batch, my_first + i, heads])
     plgpu.wait_smem_to_gmem(0)
-
-  def merge_partials(my_first, carry):
-    """Folds each query's partial outputs of other blocks into its online-softmax state: step j brings the
-    j-th partial of each of the warpgroup's queries ([16, D] rows and their log-sum-exps, into the query
-    buffer); a query with fewer partials reloads its last one (or slab 0) and masks it (lse -inf)."""
-    my_buf = qo_smem.at[wg]
-    my_lse = part_lse_smem.at[wg]
-    counts = [slab_count_ref[batch, my_first + i, group] for i in range(queries_per_wg)]
-    row_query = plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_TILE,), 0, layout=ROW_LAYOUT) // heads_per_group
-    row_count = jnp.zeros((ROWS_PER_TILE,), jnp.int32)
-    for i, n in enumerate(counts):
-      row_count = jnp.where(row_query == i, n, row_count)
-
-    def step(j, carry):
-      acc, m_i, l_i = carry
-      plgpu.commit_smem()  # every thread's reads of the previous partials are done before TMA overwrites them
-      for i, n in enumerate(counts):
-        slab = slabs_ref[batch, my_first + i, group, jnp.minimum(j, jnp.maximum(n - 1, 0))]
-        part_rows = pl.ds(slab * heads_per_group, heads_per_group)
-        rows = pl.ds(i * heads_per_group, heads_per_group)
-        plgpu.copy_gmem_to_smem(part_o_ref.at[part_rows], my_buf.at[rows], merge_barrier.at[wg])
-        plgpu.copy_gmem_to_smem(part_lse_ref.at[part_rows], my_lse.at[rows], merge_barrier.at[wg])
-      plgpu.barrier_wait(merge_barrier.at[wg])
-      part = plgpu.load(my_buf, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-      lse = plgpu.load(my_lse, layout=plgpu.Layout.WGMMA).max(axis=1)  # the columns hold the same value
-      lse = jnp.where(j < row_count, lse, -jnp.inf)
-      m_new = jnp.maximum(m_i, lse)
-      m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-      alpha = jnp.exp2(m_i - m_safe)
-      beta = jnp.exp2(lse - m_safe)
-      acc = (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-             + part * lax.broadcast_in_dim(beta, acc.shape, [0]))
-      return acc, m_new, l_i * alpha + beta
-
-    return lax.fori_loop(0, functools.reduce(jnp.maximum, counts), step, carry)
 
   def skip(k_consumed, v_consumed, carry):
     plgpu.barrier_arrive(k_consumed)
@@ -275,7 +208,6 @@ def ws_attention_pallas(
     check_users: bool,
     p_in_smem: bool | None = None,
     interpret: Any = False,
-    partials: PartialsToMerge | None = None,
 ) -> tuple[jax.Array, None]:
   """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2).
 
@@ -284,8 +216,6 @@ def ws_attention_pallas(
     plan: TilePlan built with queries_per_tile and compute_wgs of block_sizes.
     check_users: mask each row by its query's bit of the entry's user mask (sparse plans).
     p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode).
-    partials: other partial outputs of the same queries (other blocks, attended elsewhere) to merge into
-      each query's output before it is normalised and stored (the split loop order of api.py).
 
   Returns:
     (o [1, B, Sq_pad, Nq, D] in q.dtype, None): the launch contract of kernel_sm90.attention_pallas.
@@ -308,26 +238,15 @@ def ws_attention_pallas(
       # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
       # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
       acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong,
-      merge=partials is not None,
   )
-  merge = partials is not None
-  if merge and (partials.slabs.shape[:3] != (b, sq_pad, nkv) or partials.count.shape != (b, sq_pad, nkv)
-                or partials.o.shape[-1] != d or partials.lse.shape != (partials.o.shape[0], LSE_COLUMNS)
-                or partials.o.shape[0] % hpg):
-    raise ValueError(f"partials do not match the launch: {jax.tree.map(jnp.shape, partials)}, {q.shape=}")
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
       plgpu.SMEM((wgs, ROWS_PER_TILE), jnp.int32),
-      plgpu.SMEM((wgs, ROWS_PER_TILE, LSE_COLUMNS), jnp.float32) if merge else None,
       plgpu.SMEM((wgs, ROWS_PER_TILE, KEY_BLOCK), q.dtype, transforms=smem_transforms(q.dtype)) if p_in_smem else None,
       plgpu.Barrier(num_arrivals=qpw + 2, num_barriers=wgs),
       plgpu.Barrier(num_arrivals=wgs),
-      plgpu.Barrier(num_arrivals=2 * qpw, num_barriers=wgs) if merge else None,
   ]
-  inputs = [q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit]
-  if merge:
-    inputs += [partials.o, partials.lse, partials.slabs, partials.count]
   o = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((1, b, sq_pad, nq, d), q.dtype),
@@ -339,6 +258,6 @@ def ws_attention_pallas(
       scratch_types=scratch,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
-      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}{'_merge' if merge else ''}",
-  )(*inputs)
+      kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}",
+  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
   return o, None

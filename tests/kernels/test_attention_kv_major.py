@@ -196,3 +196,63 @@ def test_plan_covers_every_pair_once(query_panel):
   np.testing.assert_array_equal(seen, valid.astype(np.int32))
   np.testing.assert_array_equal(plan.valid, valid)
   assert (plan.pair_slab[~valid] == 0).all()
+
+
+def test_prefers_kv_major_compares_block_loads_with_pairs():
+  from pallas_kernels.attention.api import KV_MAJOR_LOAD_RATIO, prefers_kv_major
+
+  pairs = jnp.ones((1, 100, 2, 8), bool)  # 1600 selected pairs
+  assert not prefers_kv_major(jnp.full((1, 10, 2), 32), pairs)  # 640 loads: 0.40, not above the ratio
+  assert prefers_kv_major(jnp.full((1, 10, 2), 33), pairs)  # 660 loads: 0.4125
+  assert KV_MAJOR_LOAD_RATIO == 0.40
+
+
+@pytest.mark.interpret
+@kernel_modes.CPU_ONLY
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_selections", "private_selections"])
+def test_either_loop_order_by_selection_overlap(shared):
+  """The compiled prefill's choice between the two kernels (run here in interpret mode): 16 queries at
+  positions 1030.. of a 1100-token cache (9 blocks), two 8-query tiles, 2 KV groups, top-2. Shared: every
+  query selects blocks 0 and 8 (a tile's union is 2 blocks: loads / pairs = 2 / 16, query-major); private:
+  query i selects blocks i % 8 and 8 (union 9: 9 / 16 > 0.40, KV-major). Both against the reference."""
+  from pallas_kernels.attention import SparseAttentionBlockSizes
+  from pallas_kernels.attention.api import _sparse_prefill_either_order, prefers_kv_major
+  from pallas_kernels.attention.plan import sparse_plan
+
+  positions = jnp.arange(1030, 1046, dtype=jnp.int32)[None]
+  first = np.zeros(16, np.int32) if shared else np.arange(16, dtype=np.int32) % 8
+  ids = np.stack([first, np.full(16, 8, np.int32)], -1)
+  ids = jnp.asarray(np.broadcast_to(ids[None, :, None, :], (1, 16, 2, 2)))
+  q, k, v = _qkv(1, 16, 32, 2, 64, 1100, jnp.bfloat16, seed=9)
+  plan = sparse_plan(ids, positions, num_keys=1100, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
+  assert bool(prefers_kv_major(plan.count, ids >= 0)) == (not shared)
+  blocks = SparseAttentionBlockSizes(queries_per_tile=8, kv_stages=2, compute_wgs=2, ping_pong="off")
+  got = _sparse_prefill_either_order(q, k, v, ids, positions, scale=0.125, block_sizes=blocks, interpret=True)
+  ref = sparse_attention_reference(q, k, v, ids, positions, block_size=128, scale=0.125)
+  _assert_close(got, ref, jnp.bfloat16)
+
+
+@kernel_modes.NEEDS_SM90
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_selections", "private_selections"])
+def test_default_prefill_runs_either_kernel_gpu(shared):
+  """sparse_attention's default on a compiled prefill big enough for the warp-specialized kernel (1056
+  queries x 2 KV groups = 264 tiles): shared selections (blocks 0 and the query's own: a tile's union is 2
+  blocks for 16 pairs) stay query-major; private ones (query i selects only block i % (own + 1): up to 8
+  blocks for a tile's 8 pairs, loads / pairs 0.58) go KV-major; both match the reference."""
+  from pallas_kernels.attention.api import prefers_kv_major
+  from pallas_kernels.attention.plan import sparse_plan
+
+  s = 1056
+  positions = jnp.arange(s, dtype=jnp.int32)[None]
+  own = np.arange(s) // 128
+  if shared:
+    ids = np.stack([np.where(own > 0, 0, -1), own], -1).astype(np.int32)  # block 0 is the own block: one slot
+  else:
+    ids = np.stack([np.arange(s) % (own + 1), np.full(s, -1)], -1).astype(np.int32)
+  ids = jnp.asarray(np.broadcast_to(ids[None, :, None, :], (1, s, 2, 2)))
+  plan = sparse_plan(ids, positions, num_keys=s, queries_per_tile=8, heads_per_group=16, compute_wgs=2)
+  assert bool(prefers_kv_major(plan.count, ids >= 0)) == (not shared)
+  q, k, v = _qkv(1, s, 32, 2, 128, s, jnp.bfloat16, seed=11)
+  got = sparse_attention(q, k, v, ids, positions, block_size=128, scale=128 ** -0.5)
+  _assert_close(got, sparse_attention_reference(q, k, v, ids, positions, block_size=128, scale=128 ** -0.5),
+                jnp.bfloat16)
