@@ -35,15 +35,17 @@ def _run(mode, q, k, v, ids, positions, chunks_per_item, output_staging="q_buffe
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_m3_group_chunked_prefill(mode, dtype):
+@pytest.mark.parametrize("dtype,output_staging", [(jnp.bfloat16, "q_buffer"), (jnp.float16, "q_buffer"),
+                                                  (jnp.bfloat16, "separate_one_store")])
+def test_m3_group_chunked_prefill(mode, dtype, output_staging):
   """16 heads per KV group (4 queries per wgmma tile), D = 128, two sequences at offsets crossing a block
   boundary, indexer selections; 1 chunk per item, so a block's users span several CTAs; two passes of 4
-  queries per sequence (query_chunk=8 over the batch of 2)."""
+  queries per sequence (query_chunk=8 over the batch of 2). With a staging laid out by chunk, each pass reads
+  its queries from the whole q (the pass offset added to the plan's query indices)."""
   positions = jnp.array([[300 + i for i in range(8)], [124 + i for i in range(8)]], jnp.int32)
   q, k, v = _qkv(2, 8, 32, 2, 128, 310, dtype)
   ids = _selection(2, 8, 2, 310, positions, topk=2)
-  _run(mode, q, k, v, ids, positions, chunks_per_item=1, query_chunk=8)
+  _run(mode, q, k, v, ids, positions, chunks_per_item=1, query_chunk=8, output_staging=output_staging)
 
 
 @pytest.mark.parametrize("mode", MODES)
