@@ -213,10 +213,11 @@ def kv_major_attention_pallas(
   t = plan.valid.shape[-1]
   staging = block_sizes.output_staging
   by_chunk = staging in CHUNK_LAYOUT_STAGINGS
-  plan_queries = plan.valid.shape[1] if by_chunk and plan.valid.shape[1] <= sq_pad else sq_pad
+  plan_queries = plan.valid.shape[1]  # a window of q's queries only where the output is laid out by chunk
+  queries_fit = plan_queries <= sq_pad if by_chunk else plan_queries == sq_pad
   qc = queries_per_chunk(hpg)
   n_items, chunks, rows = plan.chunk_limit.shape
-  if (hpg % 8 or hpg > ROWS_PER_TILE or k.shape[1] % KEY_BLOCK or rows != ROWS_PER_TILE
+  if (hpg % 8 or hpg > ROWS_PER_TILE or k.shape[1] % KEY_BLOCK or rows != ROWS_PER_TILE or not queries_fit
       or chunks != block_sizes.chunks_per_item or plan.valid.shape != (b, plan_queries, nkv, t)):
     raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {plan.chunk_limit.shape=}, {plan.valid.shape=}")
   if block_sizes.smem_bytes(d, q.dtype.itemsize) > SMEM_LIMIT_BYTES:
