@@ -16,7 +16,6 @@ next multiple, whose rows are computed and dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -183,18 +182,11 @@ def _merge_kv_major(o: jax.Array, lse: jax.Array, valid: jax.Array) -> jax.Array
   return out.astype(o.dtype).reshape(b, sq, g * hpg, d)
 
 
-def _kv_major_pass(q, k, v, block_ids, q_positions, first_query=None, *, scale, block_sizes, interpret):
-  """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8.
-
-  first_query: None: q holds the pass's queries (those of block_ids / q_positions). Else an int32 scalar: q
-  holds every query and the pass's start at this index (stagings laid out by chunk only: the kernel then
-  reads q in place instead of a copy of the pass's slice).
-  """
+def _kv_major_pass(q, k, v, block_ids, q_positions, *, scale, block_sizes, interpret):
+  """One pass of the KV-major kernel: plan, kernel, merge. q's heads per group already a multiple of 8."""
   hpg = q.shape[2] // k.shape[2]
   plan = kv_major_plan(block_ids, q_positions, num_keys=k.shape[1], heads_per_group=hpg,
                        chunks_per_item=block_sizes.chunks_per_item, query_panel=block_sizes.query_panel)
-  if first_query is not None:
-    plan = dataclasses.replace(plan, pair_query=plan.pair_query + first_query)
   kp, vp = _pad_keys(k, v)
   o, lse = kv_major_attention_pallas(q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
                                      interpret=_interpret_params(interpret))
@@ -225,13 +217,8 @@ def _run_kv_major(q, k, v, block_ids, q_positions, *, scale, block_sizes, interp
       x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
       return jnp.swapaxes(x.reshape(b, passes, chunk, *x.shape[2:]), 0, 1)
 
-    if block_sizes.output_staging in CHUNK_LAYOUT_STAGINGS:  # each pass reads its queries from the whole q
-      first = jnp.arange(passes, dtype=jnp.int32) * chunk
-      o = jax.lax.map(lambda a: run(qh, block_ids=a[0], q_positions=a[1], first_query=a[2]),
-                      (split(block_ids, -1), split(q_positions, -1), first))
-    else:
-      o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2]),
-                      (split(qh, 0), split(block_ids, -1), split(q_positions, -1)))
+    o = jax.lax.map(lambda a: run(a[0], block_ids=a[1], q_positions=a[2]),
+                    (split(qh, 0), split(block_ids, -1), split(q_positions, -1)))
     o = jnp.swapaxes(o, 0, 1).reshape(b, passes * chunk, *o.shape[3:])[:, :sq]
   if hpg * nkv == nq:
     return o

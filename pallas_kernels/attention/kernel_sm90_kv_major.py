@@ -196,9 +196,7 @@ def kv_major_attention_pallas(
   Args:
     q: [B, Sq_pad, Nq, D] (heads per KV group a multiple of 8, <= 64); k, v: [B, Sk_pad, Nkv, D],
       Sk_pad % 128 == 0.
-    plan: KvMajorPlan built for these shapes, heads per group and block_sizes.chunks_per_item. With a staging
-      laid out by chunk, the plan may cover a window of q's queries (plan.pair_query then indexes q's whole
-      Sq axis: the pass offset added, so that passes read q in place instead of a copy of their slice).
+    plan: KvMajorPlan built for these shapes, heads per group and block_sizes.chunks_per_item.
 
   Returns:
     (o [B, Sq_pad, Nkv, T, hpg, D] in q.dtype, lse fp32 [B, Sq_pad, Nkv, T, hpg] base 2): entries of the
@@ -211,21 +209,19 @@ def kv_major_attention_pallas(
   nkv = k.shape[2]
   hpg = nq // nkv
   t = plan.valid.shape[-1]
-  staging = block_sizes.output_staging
-  by_chunk = staging in CHUNK_LAYOUT_STAGINGS
-  plan_queries = plan.valid.shape[1]  # a window of q's queries only where the output is laid out by chunk
-  queries_fit = plan_queries <= sq_pad if by_chunk else plan_queries == sq_pad
   qc = queries_per_chunk(hpg)
   n_items, chunks, rows = plan.chunk_limit.shape
-  if (hpg % 8 or hpg > ROWS_PER_TILE or k.shape[1] % KEY_BLOCK or rows != ROWS_PER_TILE or not queries_fit
-      or chunks != block_sizes.chunks_per_item or plan.valid.shape != (b, plan_queries, nkv, t)):
+  if (hpg % 8 or hpg > ROWS_PER_TILE or k.shape[1] % KEY_BLOCK or rows != ROWS_PER_TILE
+      or chunks != block_sizes.chunks_per_item or plan.valid.shape != (b, sq_pad, nkv, t)):
     raise ValueError(f"bad launch shapes: {q.shape=}, {k.shape=}, {plan.chunk_limit.shape=}, {plan.valid.shape=}")
+  staging = block_sizes.output_staging
   if block_sizes.smem_bytes(d, q.dtype.itemsize) > SMEM_LIMIT_BYTES:
     raise ValueError(f"{block_sizes} needs {block_sizes.smem_bytes(d, q.dtype.itemsize)} B of shared memory for "
                      f"head dim {d}, over the {SMEM_LIMIT_BYTES} B of an SM: use fewer warpgroups")
   if staging == "halves" and d % 64:
     raise ValueError(f"output_staging='halves' needs a head dim that is a multiple of 64, got {d}")
   direct = staging == "registers"
+  by_chunk = staging in CHUNK_LAYOUT_STAGINGS
   if by_chunk and ROWS_PER_TILE % hpg:
     raise ValueError(f"output_staging={staging!r} needs heads per group dividing {ROWS_PER_TILE}, got {hpg}")
   p_in_smem = bool(interpret)

@@ -40,8 +40,8 @@ def _run(mode, q, k, v, ids, positions, chunks_per_item, output_staging="q_buffe
 def test_m3_group_chunked_prefill(mode, dtype, output_staging):
   """16 heads per KV group (4 queries per wgmma tile), D = 128, two sequences at offsets crossing a block
   boundary, indexer selections; 1 chunk per item, so a block's users span several CTAs; two passes of 4
-  queries per sequence (query_chunk=8 over the batch of 2). With a staging laid out by chunk, each pass reads
-  its queries from the whole q (the pass offset added to the plan's query indices)."""
+  queries per sequence (query_chunk=8 over the batch of 2), with per-query stores and with one store per chunk
+  into the (item, chunk) layout that the merge gathers back."""
   positions = jnp.array([[300 + i for i in range(8)], [124 + i for i in range(8)]], jnp.int32)
   q, k, v = _qkv(2, 8, 32, 2, 128, 310, dtype)
   ids = _selection(2, 8, 2, 310, positions, topk=2)
