@@ -269,8 +269,13 @@ def kernel_breakdown(fn, args, s, sel, name):
     record("kernel_breakdown", S=s, selection=sel, variant=name, error=f"{type(e).__name__}: {str(e)[:200]}")
     return
   top = sorted(per_kernel, key=lambda nt: -nt[1])[:8]
+  by_name: dict[str, list[float]] = {}  # every launch, summed per kernel name: where the rest of the call goes
+  for n, t in per_kernel:
+    by_name.setdefault(n[:60], []).append(t)
+  totals = sorted(((n, len(ts), round(sum(ts), 3)) for n, ts in by_name.items()), key=lambda r: -r[2])
   record("kernel_breakdown", S=s, selection=sel, variant=name, launches=len(per_kernel),
-         kernels=[(n[:60], round(t, 3)) for n, t in top])
+         kernels=[(n[:60], round(t, 3)) for n, t in top], by_name=totals[:16],
+         rest_ms=round(sum(r[2] for r in totals[16:]), 3))
 
 
 @guarded
