@@ -105,9 +105,11 @@ def generate(fixture: str, *meshes: str) -> dict:
   prompts, want = _prompts(fixture)
   # Four rows (each prompt twice) so a batch can split over data x expert; each row must match its prompt.
   prompts, want = prompts + prompts[::-1], np.concatenate([want, want[::-1]])
-  # The conversation's turn 2 (turn 1's prompt and reply, then 20 more ids) on one device: what every plan must give.
+  # The conversation's turn 2 (turn 1's prompt and reply, then 20 more ids) on one device: what every plan that
+  # runs the Conversation must give.
   prompt2 = prompts[0] + want[0].tolist() + prompts[1][:20]
-  want_turn2 = gen(_load(fixture, None), [prompt2], max_new_tokens=8, eos_token_ids=()).tokens[0]
+  want_turn2 = (gen(_load(fixture, None), [prompt2], max_new_tokens=8, eos_token_ids=()).tokens[0]
+                if any(spec.startswith("*") for spec in meshes) else None)  # only the Conversation path reads it
   out = {}
   for spec in meshes:
     mesh, every_path = spec.removeprefix("*"), spec.startswith("*")

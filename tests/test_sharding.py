@@ -209,7 +209,7 @@ EVERY_PATH_MESHES = ("data=2,tensor=4", "expert=4,tensor=2+sp")
 @pytest.mark.slow
 @pytest.mark.parametrize("meshes", [MESHES[:3], MESHES[3:]])
 def test_sharded_greedy_generation_matches(meshes):
-  result = run_worker("generate", "legacy_b128", *("*" * (m in EVERY_PATH_MESHES) + m for m in meshes))
+  result = run_worker("generate", "legacy_b128", *(f"*{m}" if m in EVERY_PATH_MESHES else m for m in meshes))
   for mesh in meshes:
     paths = ("equal", "stream_equal", "chunked_equal") + (
         ("conversation_equal", "engine_equal") if mesh in EVERY_PATH_MESHES else ())
