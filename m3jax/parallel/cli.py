@@ -9,7 +9,7 @@ import sys
 
 
 def add_mesh_arguments(p: argparse.ArgumentParser, *, distributed: bool = True) -> None:
-  g = p.add_argument_group("parallelism (see README 'Sharding')")
+  g = p.add_argument_group("parallelism (see docs/sharding.md)")
   g.add_argument("--mesh", default=None,
                  help="device mesh over data/expert/tensor, e.g. data=1,expert=4,tensor=2 (default: unsharded)")
   g.add_argument("--sequence-parallel", action="store_true",

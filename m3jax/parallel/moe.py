@@ -14,7 +14,7 @@ E / N whole experts. Per device:
 
 The shared expert runs outside shard_map as a tensor-parallel dense MLP. Why gather/scatter and not
 ``ragged_all_to_all``: XLA:CPU does not implement ragged-all-to-all (UNIMPLEMENTED), so that dispatch could
-not be tested here; see README "Sharding".
+not be tested here; see docs/sharding.md.
 """
 
 from __future__ import annotations
