@@ -153,7 +153,8 @@ def broken_links(doc: Doc) -> list[str]:
 
 @pytest.mark.parametrize("path", list(DOCS), ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(path):
-  assert not broken_links(DOCS[path]), "\n".join(broken_links(DOCS[path]))
+  problems = broken_links(DOCS[path])
+  assert not problems, "\n".join(problems)
 
 
 def test_the_docs_link_each_other():
