@@ -219,8 +219,8 @@ def quantize(w: jax.Array, fmt: str, block: tuple[int, int] | None = None, scale
   amax = jnp.max(jnp.abs(padded.reshape(*lead, go, bo, gi, bi)), axis=(-3, -1))
   e8m0 = fmt == "mxfp8" or jnp.dtype(scale_dtype or jnp.float32) == jnp.uint8
   if e8m0:
-    exp = jnp.where(amax > 0, jnp.ceil(jnp.log2(jnp.maximum(amax, 1e-38) / 448.0)), 0.0)
-    exp = jnp.clip(exp, -127, 127).astype(jnp.int32)
+    mant, e = jnp.frexp(amax / jnp.float32(448.0))  # exact ceil(log2(x)): e, or e - 1 where x is a power of two
+    exp = jnp.clip(jnp.where(amax > 0, e - (mant == 0.5), 0), -127, 127).astype(jnp.int32)
     scales = (exp + 127).astype(jnp.uint8)
     step = jnp.ldexp(jnp.float32(1.0), exp)
   else:

@@ -209,18 +209,20 @@ def dequantize_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.nda
 
 
 def quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """fp32 [out, in] -> (e4m3 [out, in], uint8 E8M0 [out, ceil(in/32)]); scale = 2^ceil(log2(amax / 448)) per
-  32 inputs (a last partial block has its own scale)."""
-  out, inp = w.shape
+  """fp32 [..., out, in] -> (e4m3 [..., out, in], uint8 E8M0 [..., out, ceil(in/32)]); scale =
+  2^ceil(log2(amax / 448)) per 32 inputs (a last partial block has its own scale). Bit-identical to
+  ``pallas_kernels.quant.quantize(w, 'mxfp8')``."""
+  *lead, out, inp = w.shape
   n_blocks = math.ceil(inp / MX_BLOCK)
-  padded = np.zeros((out, n_blocks * MX_BLOCK), np.float32)
-  padded[:, :inp] = w
-  blocks = padded.reshape(out, n_blocks, MX_BLOCK)
+  padded = np.zeros((*lead, out, n_blocks * MX_BLOCK), np.float32)
+  padded[..., :inp] = w
+  blocks = padded.reshape(*lead, out, n_blocks, MX_BLOCK)
   amax = np.abs(blocks).max(axis=-1)
-  exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 448.0)), 0).astype(np.int32)
+  mant, e = np.frexp(amax / np.float32(448.0))  # exact ceil(log2(x)): e, or e - 1 where x is a power of two
+  exp = np.where(amax > 0, e - (mant == 0.5), 0).astype(np.int32)
   exp = np.clip(exp, -127, 127)
   q = (blocks / np.ldexp(np.float32(1), exp)[..., None]).astype(ml_dtypes.float8_e4m3fn)
-  return np.ascontiguousarray(q.reshape(out, -1)[:, :inp]), (exp + 127).astype(np.uint8)
+  return np.ascontiguousarray(q.reshape(*lead, out, -1)[..., :inp]), (exp + 127).astype(np.uint8)
 
 
 def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
