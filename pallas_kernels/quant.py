@@ -23,6 +23,7 @@ This module depends on jax (and numpy) only. Checkpoint parsing lives in ``m3jax
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -201,6 +202,7 @@ def split_out(values, scales, out_sizes: Sequence[int], block: tuple[int, int], 
   return out
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "block", "scale_dtype"))
 def quantize(w: jax.Array, fmt: str, block: tuple[int, int] | None = None, scale_dtype=None) -> QuantizedWeight:
   """Reference quantizer (round to nearest): a float weight [..., out, in] -> ``QuantizedWeight``.
 

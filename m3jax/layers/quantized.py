@@ -113,7 +113,7 @@ class QuantizedLinear(nnx.Module):
     self.in_shape, self.out_shape = tuple(inp), tuple(out)
     self.fmt, self.block = spec.fmt, tuple(spec.block)
     w = jnp.swapaxes(weight.reshape(*batch, math.prod(inp), math.prod(out)), -1, -2)
-    q = quantize(w, spec.fmt, spec.block, jnp.dtype(spec.scale_dtype))
+    q = quantize(w, spec.fmt, tuple(spec.block), jnp.dtype(spec.scale_dtype))
     b_axes, i_axes, o_axes = axes[:batch_dims], axes[batch_dims:batch_dims + in_dims], axes[batch_dims + in_dims:]
     names = (*b_axes, _outer(o_axes), _outer(i_axes))
     self.values = nnx.Param(q.values, out_sharding=names, eager_sharding=False)
