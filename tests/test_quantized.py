@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import jax.numpy as jnp
+
 import m3jax
 from conftest import FIXTURES
 from m3jax.checkpoint import quantized as q
@@ -17,6 +19,7 @@ from m3jax.checkpoint.inspect import inspect_checkpoint
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.safetensors_stream import read_tensor
 from m3jax.checkpoint.source import TensorSource
+from pallas_kernels import quant
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 FLAT_B16 = FIXTURES / "flat_b16" / "checkpoint"
@@ -129,10 +132,13 @@ FORMATS = {
     "fp8_block": {"quant_method": "fp8", "weight_block_size": [16, 16],
                   "modules_to_not_convert": ["lm_head", "gate", "vision_tower", "multi_modal_projector",
                                              "patch_merge_mlp"]},
+    "fp8_block_e8m0": {"quant_method": "fp8", "weight_block_size": [16, 16], "scale_fmt": "ue8m0",
+                       "ignored_layers": ["lm_head", "gate", "vision_tower", "multi_modal_projector", "patch_merge_mlp"]},
     "nvfp4": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
               "config_groups": {"group_0": {"targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"]}},
               "ignore": ["lm_head"]},
 }
+FORMAT_OF = {"fp8_block_e8m0": "fp8_block"}  # the format a FORMATS entry declares, where its key differs
 
 
 def quantize_checkpoint(src, dst, fmt: str) -> dict[str, np.ndarray]:
@@ -153,6 +159,11 @@ def quantize_checkpoint(src, dst, fmt: str) -> dict[str, np.ndarray]:
       dequantized[name] = ref_blocked(w8, s, (1, 32)).astype(np.float32)
     elif fmt == "fp8_block":
       w8, s = q.quantize_fp8_block(w, (16, 16))
+      tensors |= {name: w8, module + ".weight_scale_inv": s}
+      dequantized[name] = ref_blocked(w8, s, (16, 16)).astype(np.float32)
+    elif fmt == "fp8_block_e8m0":  # power-of-two scales stored as E8M0 bytes (DeepSeek V3.1 style)
+      qw = quant.quantize(jnp.asarray(w), "fp8_block", (16, 16), jnp.dtype(jnp.uint8))
+      w8, s = np.asarray(qw.values), np.asarray(qw.scales)
       tensors |= {name: w8, module + ".weight_scale_inv": s}
       dequantized[name] = ref_blocked(w8, s, (16, 16)).astype(np.float32)
     else:
@@ -186,12 +197,22 @@ def test_quantized_fixture_end_to_end(tmp_path, fmt):
   write_plain(dequantized, FLAT_B16, tmp_path / "plain")
   source = TensorSource.open(tmp_path / "quant")
   formats = {source.quant_format(n) for n in source.keys()}
-  assert formats == {None, fmt}
+  assert formats == {None, FORMAT_OF.get(fmt, fmt)}
   assert source.quant_format("language_model.model.layers.0.block_sparse_moe.gate.weight") is None  # ignored
   quant_model = m3jax.load(tmp_path / "quant", kernels="reference")
   plain_model = m3jax.load(tmp_path / "plain", kernels="reference")
   a, b = params(quant_model), params(plain_model)
   assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+  # keep_quantized: fp8 formats keep every quantized linear as stored, and each dequantizes exactly to the plain
+  # model's parameter (in m3jax's layout); NVFP4 is dequantized on load all the same.
+  kept = params(m3jax.load(tmp_path / "quant", kernels="reference", keep_quantized=True))
+  fp8 = {k[:-1] for k in kept if k[-1] == "values"}
+  assert len(fp8) == (0 if fmt == "nvfp4" else 20)  # 2 layers x (4 attention + 2 indexer + 4 MLP)
+  for path in fp8:
+    blocks = (1, 32) if fmt == "mxfp8" else (16, 16)
+    w = q.dequantize_blocked(kept[path + ("values",)], kept[path + ("scales",)], blocks)
+    np.testing.assert_array_equal(np.swapaxes(w, -1, -2).reshape(b[path].shape), b[path])
+  assert all(np.array_equal(kept[k], b[k]) for k in b if k[:-1] not in fp8 and k in kept)
   if fmt == "mxfp8":  # identical parameters give identical logits; run the forward once to show it end to end
     ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"][:, :40]
     np.testing.assert_array_equal(np.asarray(quant_model(ids)), np.asarray(plain_model(ids)))
@@ -201,7 +222,7 @@ def test_quantized_fixture_end_to_end(tmp_path, fmt):
   assert {k: n for k, (n, _) in report.params.items()} == {k: n for k, (n, _) in plain.params.items()}
   assert report.params["routed experts"][1] < plain.params["routed experts"][1] / 3  # bytes stored
   summary = convert(tmp_path / "quant", tmp_path / "dst", dtype="bfloat16", progress=False)
-  assert summary.dequantized[fmt] > 0 and summary.quantization == FORMATS[fmt]["quant_method"]
+  assert summary.dequantized[FORMAT_OF.get(fmt, fmt)] > 0 and summary.quantization == FORMATS[fmt]["quant_method"]
   c = params(m3jax.load(tmp_path / "dst"))
   d = params(m3jax.load(tmp_path / "plain", dtype="bfloat16"))
   assert all(np.array_equal(c[k], d[k]) for k in c)

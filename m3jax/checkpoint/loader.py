@@ -2,7 +2,7 @@
 
 Two sources:
   * a safetensors directory (original MiniMax or HF layout; bf16/fp32 or MXFP8 / FP8-block / NVFP4 quantized,
-    dequantized on load). Pipeline: ``build_rules`` (one TensorRule per parameter) -> ``plan_text_load`` (match
+    dequantized on load unless ``keep_quantized``: then MXFP8 / FP8-block weights stay fp8, fp8_params.py). Pipeline: ``build_rules`` (one TensorRule per parameter) -> ``plan_text_load`` (match
     against the checkpoint) -> read sources (``TensorSource``) -> transform (``rule.to_param``) -> ``fill`` the
     abstract model state, each array placed with its target sharding.
   * a directory written by ``m3jax convert`` (Orbax; see converted.py), restored straight into sharded arrays.
