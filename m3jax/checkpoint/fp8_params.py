@@ -110,16 +110,6 @@ def split(rule: TensorRule, part: str, array: np.ndarray, spec: QuantSpec) -> li
   return apply_layout(separate, [array])
 
 
-def part_shape(rule: TensorRule, part: str, spec: QuantSpec) -> tuple[int, ...]:
-  """Shape of ``rule``'s fp8 parameter part (without reading anything)."""
-  from pallas_kernels.quant import scale_grid  # pylint: disable=g-import-not-at-top
-
-  first = rule.source_shapes[rule.fp8_groups[0][0]]
-  out = sum(rule.source_shapes[i][-2] for i in rule.fp8_groups[0])
-  values = ((len(rule.fp8_groups),) if rule.fp8_stacked else ()) + tuple(first[:-2]) + (out, first[-1])
-  return values if part == "values" else scale_grid(values, spec.fmt, spec.block)
-
-
 class QuantizingReader:
   """An ``Fp8Reader`` over a float checkpoint: each source tensor quantized into MXFP8 as it is read (the
   reference quantizer, ``quantized.quantize_mxfp8``). Values and scales are separate parameters, built one after

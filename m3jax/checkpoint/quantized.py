@@ -121,13 +121,6 @@ class QuantConfig:
       return (1, MX_BLOCK)
     return self.weight_block_size or FP8_BLOCK
 
-  def to_config(self) -> dict[str, Any]:
-    """The ``quantization_config`` dict that declares this (ignored modules as ``ignored_layers``)."""
-    out: dict[str, Any] = {"quant_method": self.method, "ignored_layers": list(self.ignored)}
-    if self.weight_block_size is not None:
-      out["weight_block_size"] = list(self.weight_block_size)
-    return out
-
   def is_ignored(self, module: str) -> bool:
     return any(_module_matches(module, entry) for entry in self.ignored)
 

@@ -150,6 +150,7 @@ def linear(x: jax.Array, w: Weight, eq: str, *, kernels: KernelChoice) -> jax.Ar
 
 
 def is_quantized(*weights: Any) -> bool:
+  """Whether any of ``weights`` is kept in fp8."""
   return any(isinstance(w, QuantizedLinear) for w in weights)
 
 
