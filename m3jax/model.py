@@ -18,6 +18,7 @@ from m3jax.layers.decoder import DecodeWeights, DecoderLayer
 from m3jax.layers.mtp import MTPLayer
 from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
+from m3jax.layers.quantized import ParamPath, QuantSpec, apply_quantized
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice, resolve_kernels
 from m3jax.research import Collect
@@ -65,10 +66,14 @@ class M3ForCausalLM(nnx.Module):
       ``model(input_ids, pixel_values=..., image_grid_thw=..., ...)``. Off by default (text-only model).
     with_mtp: also build the config's ``num_mtp_modules`` multi-token-prediction modules (``self.mtp``;
       ``mtp_forward``), the draft heads of speculative decoding (m3jax.speculative). Off by default.
+    quantized: {parameter path: QuantSpec} of linear weights kept in fp8 (``m3jax.layers.quantized``: each
+      becomes a QuantizedLinear with ``values`` / ``scales``; with ``rngs`` they quantize the random weights).
+      ``m3jax.load(path, keep_quantized=True)`` builds it from the checkpoint.
   """
 
   def __init__(self, config: M3Config, *, dtype: jnp.dtype = jnp.bfloat16, kernels: str | None = None,
-               rngs: nnx.Rngs | None = None, with_vision: bool = False, with_mtp: bool = False):
+               rngs: nnx.Rngs | None = None, with_vision: bool = False, with_mtp: bool = False,
+               quantized: dict[ParamPath, QuantSpec] | None = None):
     cfg = config.text
     self.config = config
     self.dtype = dtype = model_dtype(dtype)
@@ -87,6 +92,8 @@ class M3ForCausalLM(nnx.Module):
                        f"num_mtp_modules={cfg.num_mtp_modules})")
     self.mtp = (nnx.List([MTPLayer(cfg, dtype=dtype, kernels=self.kernels, rngs=rngs)
                           for _ in range(cfg.num_mtp_modules)]) if with_mtp else None)
+    if quantized:
+      apply_quantized(self, quantized)
     # Mesh + logical-axis rules (m3jax.sharding.ShardingPlan), set by m3jax.load(mesh=...) / shard_model.
     self.sharding_plan: sharding.ShardingPlan | None = None
 

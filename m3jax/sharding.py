@@ -331,6 +331,36 @@ def check_config(config: Any, mesh: Mesh | Mapping[str, int] | str, rules: Rules
 # ------------------------------------------------------------------------------------ parameters / models
 
 
+# nnx metadata flag of the scales of a weight kept in fp8 (m3jax.layers.quantized): they carry their weight's
+# logical names, but a dimension that a mesh axis does not divide (a 128-row block grid of a small weight) stays
+# replicated instead of failing (``param_spec``).
+SCALES_METADATA = "quantization_scales"
+
+
+def is_scales(var: Any) -> bool:
+  """Whether an nnx variable (or abstract one) holds the scales of an fp8 weight."""
+  return bool(var.get_metadata().get(SCALES_METADATA)) if hasattr(var, "get_metadata") else False
+
+
+def fit_spec(spec: PartitionSpec, shape: Sequence[int], sizes: Mapping[str, int]) -> PartitionSpec:
+  """``spec`` with each dimension's mesh axes kept, in order, while their product divides the dimension."""
+  out: list[AxisTarget] = []
+  for i, entry in enumerate(spec):
+    kept, prod = [], 1
+    for a in spec_axes(entry):
+      if shape[i] % (prod * sizes[a]) == 0:
+        kept.append(a)
+        prod *= sizes[a]
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*out)
+
+
+def param_spec(var: Any, plan: ShardingPlan) -> PartitionSpec:
+  """The PartitionSpec of a parameter under ``plan`` (strict rules; fp8 scales fitted, see SCALES_METADATA)."""
+  spec = plan.spec(logical_axes_of(var))
+  return fit_spec(spec, var.shape, plan.sizes) if is_scales(var) else spec
+
+
 def logical_axes_of(var: Any) -> tuple[str | None, ...]:
   """The logical names of a parameter (nnx.Param ``out_sharding`` metadata); None-filled if missing."""
   names = var.get_metadata().get("out_sharding") if hasattr(var, "get_metadata") else None
@@ -341,7 +371,7 @@ def param_shardings(model: Any, plan: ShardingPlan) -> dict[tuple[Any, ...], Nam
   """Param path -> NamedSharding for every variable of ``model`` (an nnx module or abstract module)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return {path: plan.sharding(logical_axes_of(var))
+  return {path: NamedSharding(plan.mesh, param_spec(var, plan))
           for path, var in nnx.to_flat_state(nnx.state(model))}
 
 
@@ -357,7 +387,7 @@ def shard_model(model: Any, mesh: Mesh, rules: Rules = RULES) -> Any:
   state = nnx.state(model)
   flat = nnx.to_flat_state(state)
   for _, var in flat:
-    var.set_value(jax.device_put(var.get_value(), plan.sharding(logical_axes_of(var))))
+    var.set_value(jax.device_put(var.get_value(), NamedSharding(plan.mesh, param_spec(var, plan))))
   nnx.update(model, nnx.from_flat_state(flat))
   model.sharding_plan = plan
   return model

@@ -12,17 +12,25 @@ Formats:
     ``[..., ceil(out / bo), ceil(in / bi)]`` with block (bo, bi), (128, 128) by default;
     W[r, c] = e4m3[r, c] * s[r // bo, c // bi].
 
-This module depends on jax only. The numpy quantizers / loaders live in ``m3jax.checkpoint.quantized``.
+Helpers that work on numpy and jax arrays alike (the checkpoint code uses them on host arrays): ``concat_out`` /
+``split_out`` (weights stacked along ``out``, e.g. gate rows then up rows; fp8_block scales re-blocked where a part
+ends inside a row block), ``quantize`` (the reference quantizers) and ``as_in_out`` (any weight as a dense
+``[..., in, out]`` array, what the pure-jnp references multiply by).
+
+This module depends on jax (and numpy) only. Checkpoint parsing lives in ``m3jax.checkpoint.quantized``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 WeightFormat = Literal["mxfp8", "fp8_block"]
 FORMATS: tuple[str, ...] = ("mxfp8", "fp8_block")
@@ -120,3 +128,104 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
   s = scales_to_float(w.scales)
   s = jnp.repeat(jnp.repeat(s, bo, axis=-2)[..., :out, :], bi, axis=-1)[..., :inp]
   return (w.values.astype(jnp.float32) * s).astype(dtype)
+
+
+def as_in_out(w: Any, dtype) -> jax.Array:
+  """A dense weight ``[..., in, out]`` in ``dtype``: an array is cast as it is (it already has that layout); a
+  ``QuantizedWeight`` [..., out, in] is dequantized (fp32 math, one rounding to ``dtype``) and transposed."""
+  if isinstance(w, QuantizedWeight):
+    return jnp.swapaxes(dequantize(w, dtype), -1, -2)
+  return w.astype(dtype)
+
+
+def _xp(a):
+  """numpy for host arrays, jax.numpy otherwise."""
+  return np if isinstance(a, np.ndarray) else jnp
+
+
+def concat_block(out_sizes: Sequence[int], fmt: str, block: tuple[int, int]) -> tuple[int, int]:
+  """The block of the scales of weights [out_i, in] (each with ``block``) concatenated along ``out``.
+
+  Unchanged when every part but the last spans whole row blocks (always for mxfp8: rows of 1). Otherwise
+  (fp8_block parts that end inside a row block, e.g. a 32-row gate under 128-row blocks) the rows shrink to
+  g = gcd(block rows, every part's rows but the last's): each block of rows then starts on a multiple of g, and
+  each part's scale rows are repeated block_rows / g times, so the concatenation is exact.
+  """
+  bo, bi = block
+  inner = [int(o) for o in out_sizes[:-1]]
+  if fmt == "mxfp8" or all(o % bo == 0 for o in inner):
+    return (bo, bi)
+  return (math.gcd(bo, *inner), bi)
+
+
+def reblock_rows(scales, out: int, block: tuple[int, int], rows: int):
+  """Scales [..., ceil(out/bo), g_in] of ``out`` weight rows in blocks of bo = block[0] -> the same scales in
+  blocks of ``rows`` rows (``rows`` divides bo): [..., ceil(out/rows), g_in], each row repeated bo/rows times."""
+  bo = block[0]
+  if bo % rows:
+    raise ValueError(f"cannot re-block scales of {bo}-row blocks into {rows}-row blocks")
+  xp = _xp(scales)
+  return xp.repeat(scales, bo // rows, axis=-2)[..., :math.ceil(out / rows), :]
+
+
+def unblock_rows(scales, out: int, rows: int, block: tuple[int, int]):
+  """Inverse of ``reblock_rows``: scales in ``rows``-row blocks -> [..., ceil(out/bo), g_in] (every (bo/rows)-th
+  row; the rows in between are the copies ``reblock_rows`` made)."""
+  bo = block[0]
+  return scales[..., :: bo // rows, :][..., :math.ceil(out / bo), :]
+
+
+def concat_out(parts: Sequence[tuple[Any, Any]], fmt: str, block: tuple[int, int]) -> tuple[Any, Any, tuple[int, int]]:
+  """(values, scales) pairs [..., out_i, in] (same leading dims and ``in``, each with ``block``) -> their
+  concatenation along ``out``: (values [..., sum out_i, in], scales, block of the result; see ``concat_block``)."""
+  out_sizes = [v.shape[-2] for v, _ in parts]
+  new = concat_block(out_sizes, fmt, block)
+  xp = _xp(parts[0][0])
+  scales = [s if new == tuple(block) else reblock_rows(s, o, block, new[0]) for (_, s), o in zip(parts, out_sizes)]
+  values = parts[0][0] if len(parts) == 1 else xp.concatenate([v for v, _ in parts], axis=-2)
+  return values, (scales[0] if len(scales) == 1 else xp.concatenate(scales, axis=-2)), new
+
+
+def split_out(values, scales, out_sizes: Sequence[int], block: tuple[int, int], part_block: tuple[int, int]
+              ) -> list[tuple[Any, Any]]:
+  """Inverse of ``concat_out``: values [..., sum out_i, in] and scales in ``block`` -> one (values, scales) pair
+  per part, with scales in ``part_block`` (the parts' own block)."""
+  out, vstart, sstart = [], 0, 0
+  rows = block[0]
+  for o in out_sizes:
+    n_rows = math.ceil(o / rows)
+    v, s = values[..., vstart:vstart + o, :], scales[..., sstart:sstart + n_rows, :]
+    if tuple(block) != tuple(part_block):
+      s = unblock_rows(s, o, rows, part_block)
+    out.append((v, s))
+    vstart, sstart = vstart + o, sstart + n_rows
+  return out
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block", "scale_dtype"))
+def quantize(w: jax.Array, fmt: str, block: tuple[int, int] | None = None, scale_dtype=None) -> QuantizedWeight:
+  """Reference quantizer (round to nearest): a float weight [..., out, in] -> ``QuantizedWeight``.
+
+  mxfp8: one E8M0 scale per 32 inputs, 2^ceil(log2(amax / 448)) (a last partial block has its own scale).
+  fp8_block: scales amax / 448 per ``block`` (default 128 x 128), float32 (or E8M0 powers of two rounded up,
+  with ``scale_dtype=uint8``). An all-zero block gets the scale 1 (E8M0 127).
+  """
+  block = tuple(block or default_block(fmt))
+  check_quantized(w.shape, VALUE_DTYPE, scale_grid(w.shape, fmt, block), jnp.uint8 if fmt == "mxfp8" else
+                  (scale_dtype or jnp.float32), fmt, block, name="quantize")
+  *lead, out, inp = w.shape
+  bo, bi = block
+  go, gi = math.ceil(out / bo), math.ceil(inp / bi)
+  w = w.astype(jnp.float32)
+  padded = jnp.pad(w, [(0, 0)] * len(lead) + [(0, go * bo - out), (0, gi * bi - inp)])
+  amax = jnp.max(jnp.abs(padded.reshape(*lead, go, bo, gi, bi)), axis=(-3, -1))
+  e8m0 = fmt == "mxfp8" or jnp.dtype(scale_dtype or jnp.float32) == jnp.uint8
+  if e8m0:
+    mant, e = jnp.frexp(amax / jnp.float32(448.0))  # exact ceil(log2(x)): e, or e - 1 where x is a power of two
+    exp = jnp.clip(jnp.where(amax > 0, e - (mant == 0.5), 0), -127, 127).astype(jnp.int32)
+    scales = (exp + 127).astype(jnp.uint8)
+    step = jnp.ldexp(jnp.float32(1.0), exp)
+  else:
+    step = scales = jnp.where(amax > 0, amax / 448.0, 1.0).astype(jnp.float32)
+  full = jnp.repeat(jnp.repeat(step, bo, axis=-2)[..., :out, :], bi, axis=-1)[..., :inp]
+  return QuantizedWeight((w / full).astype(VALUE_DTYPE), scales, fmt, block)

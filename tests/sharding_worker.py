@@ -10,6 +10,7 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py fused_projection MESH[+sp] ...    fused q/k/v GEMM vs one GEMM per weight
   python tests/sharding_worker.py prepared_experts MESH ...         fp32 experts' kernel operands per device
   python tests/sharding_worker.py speculative MESH[+sp] ...         MTP speculative decoding vs one device
+  python tests/sharding_worker.py fp8 FIXTURE:[converted:]MESH ...     weights kept in fp8, sharded: HF logits
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP). For generate, a '*'
 prefix also runs a Conversation and the Engine on that mesh (host logic over the same sharded steps; their
@@ -378,12 +379,51 @@ def speculative(*mesh_args: str) -> dict:
   return out
 
 
+def fp8(*specs: str) -> dict:
+  """An fp8 fixture (tests/test_fp8_weights.py) loaded with keep_quantized=True straight into the shards of a mesh
+  (from its safetensors, or with 'converted:' from an ``m3jax convert --keep-quantized`` copy): logits at the
+  fixture's positions vs HF, and every fp8 values / scales array laid out as m3jax.sharding.param_spec says."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  import m3jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from m3jax import sharding  # pylint: disable=g-import-not-at-top
+  from m3jax.checkpoint.convert import convert  # pylint: disable=g-import-not-at-top
+
+  out, converted = {}, {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for spec in specs:
+      fixture, *via, mesh_arg = spec.split(":")
+      path = FIXTURES / fixture / "checkpoint"
+      if via == ["converted"]:
+        if fixture not in converted:
+          converted[fixture] = convert(path, pathlib.Path(tmp) / fixture, keep_quantized=True, progress=False).dst
+        path = converted[fixture]
+      ref = np.load(FIXTURES / fixture / "reference.npz")
+      mesh, rules = _mesh_and_rules(mesh_arg)
+      model = m3jax.load(path, kernels="reference", mesh=mesh, axis_rules=rules, keep_quantized=True)
+      logits = np.asarray(model(ref["input_ids"]))[:, ref["logit_positions"]]
+      plan = model.sharding_plan
+      fp8_vars = [(p, v) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param)) if p[-1] in ("values", "scales")]
+      laid_out = all(v.get_value().sharding.is_equivalent_to(
+          jax.sharding.NamedSharding(plan.mesh, sharding.param_spec(v, plan)), v.get_value().ndim)
+          for _, v in fp8_vars)
+      experts = {p[-1]: v.get_value() for p, v in fp8_vars if p[:2] == ("layers", 1) and p[-2] == "w_gate_up"}
+      held = sharding.per_device_bytes([v.get_value() for _, v in fp8_vars])
+      out[spec] = {"rel_err": _rel(logits, ref["logits"]), "laid_out": laid_out, "fp8_leaves": len(fp8_vars),
+                   "values_dtype": str(experts["values"].dtype),
+                   "experts_spec": [str(experts[k].sharding.spec) for k in ("values", "scales")],
+                   "max_device_fp8_bytes": max(held.values()),
+                   "fp8_bytes": int(sum(v.get_value().nbytes for _, v in fp8_vars))}
+  return out
+
+
 def main(argv: list[str]) -> None:
   commands = {"forward": forward, "generate": generate, "bytes": param_bytes, "distributed": distributed,
               "vision": vision,
               "pallas_on_cpu_mesh": pallas_on_cpu_mesh, "cuda_lowering": cuda_lowering,
               "fused_projection": fused_projection, "prepared_experts": prepared_experts,
-              "speculative": speculative}
+              "speculative": speculative, "fp8": fp8}
   result = commands[argv[0]](*argv[1:])
   print(json.dumps(result))
 

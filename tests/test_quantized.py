@@ -9,13 +9,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+import jax.numpy as jnp
+
 import m3jax
 from conftest import FIXTURES
 from m3jax.checkpoint import quantized as q
 from m3jax.checkpoint.convert import convert
 from m3jax.checkpoint.inspect import inspect_checkpoint
-from m3jax.checkpoint.safetensors_dir import CheckpointError
+from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
+from m3jax.checkpoint.safetensors_stream import read_tensor
 from m3jax.checkpoint.source import TensorSource
+from pallas_kernels import quant
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 FLAT_B16 = FIXTURES / "flat_b16" / "checkpoint"
@@ -59,8 +63,7 @@ def test_mxfp8_dequantize_exact_and_bounded():
   rng = np.random.default_rng(0)
   w8 = random_e4m3(rng, (24, 96))
   scale = rng.integers(127 - 10, 127 + 10, size=(24, 3), dtype=np.uint8)
-  block = q.block_shape(w8.shape, scale.shape)
-  assert block == (1, 32)
+  block = (1, 32)
   got = q.dequantize_blocked(w8, scale, block)
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got, ref_blocked(w8, scale, block).astype(np.float32))
@@ -68,7 +71,7 @@ def test_mxfp8_dequantize_exact_and_bounded():
   w = (rng.standard_normal((24, 80)) * rng.uniform(0.01, 100, size=(24, 1))).astype(np.float32)
   w8, scale = q.quantize_mxfp8(w)
   assert scale.shape == (24, 3)  # 80 inputs: the last block is partial
-  deq = q.dequantize_blocked(w8, scale, q.block_shape(w8.shape, scale.shape))
+  deq = q.dequantize_blocked(w8, scale, (1, 32))
   step = 2.0 ** (scale.astype(np.float64) - 127)[:, np.arange(80) // 32]
   assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -9 * step)
 
@@ -77,8 +80,8 @@ def test_fp8_block_dequantize_exact_and_bounded():
   rng = np.random.default_rng(1)
   w8 = random_e4m3(rng, (200, 300))  # not multiples of 128: ragged last blocks
   scale = rng.uniform(0.001, 2.0, size=(2, 3)).astype(np.float32)
-  block = q.block_shape(w8.shape, scale.shape)
-  assert block == (128, 128)
+  block = (128, 128)
+  assert q.scale_grid(w8.shape, block) == scale.shape
   np.testing.assert_array_equal(q.dequantize_blocked(w8, scale, block),
                                 (ref_blocked(w8, scale, block)).astype(np.float32))
   w = rng.standard_normal((200, 300)).astype(np.float32)
@@ -86,8 +89,6 @@ def test_fp8_block_dequantize_exact_and_bounded():
   deq = q.dequantize_blocked(w8, scale, (128, 128))
   step = scale.astype(np.float64)[np.arange(200)[:, None] // 128, np.arange(300)[None, :] // 128]
   assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -9 * step)
-  with pytest.raises(q.QuantError, match="does not tile"):
-    q.block_shape((200, 300), (3, 3))
 
 
 def test_nvfp4_nibble_order_exact_and_bounded():
@@ -114,7 +115,7 @@ def test_ignored_layer_matching():
   assert not cfg.is_ignored("language_model.model.layers.3.block_sparse_moe.shared_experts.gate_proj")
   assert cfg.is_ignored("vision_tower.vision_model.encoder.layers.0.mlp.fc1")
   ct = q.QuantConfig.from_config({"quantization_config": {
-      "quant_method": "compressed-tensors", "ignore": ["lm_head"],
+      "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
       "config_groups": {"g": {"targets": ["re:.*experts\\.\\d+\\..*"]}}}})
   assert ct.expects_quantized("language_model.model.layers.0.block_sparse_moe.experts.3.w1")
   assert not ct.expects_quantized("language_model.model.layers.0.self_attn.q_proj")
@@ -131,10 +132,13 @@ FORMATS = {
     "fp8_block": {"quant_method": "fp8", "weight_block_size": [16, 16],
                   "modules_to_not_convert": ["lm_head", "gate", "vision_tower", "multi_modal_projector",
                                              "patch_merge_mlp"]},
+    "fp8_block_e8m0": {"quant_method": "fp8", "weight_block_size": [16, 16], "scale_fmt": "ue8m0",
+                       "ignored_layers": ["lm_head", "gate", "vision_tower", "multi_modal_projector", "patch_merge_mlp"]},
     "nvfp4": {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
               "config_groups": {"group_0": {"targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"]}},
               "ignore": ["lm_head"]},
 }
+FORMAT_OF = {"fp8_block_e8m0": "fp8_block"}  # the format a FORMATS entry declares, where its key differs
 
 
 def quantize_checkpoint(src, dst, fmt: str) -> dict[str, np.ndarray]:
@@ -155,6 +159,11 @@ def quantize_checkpoint(src, dst, fmt: str) -> dict[str, np.ndarray]:
       dequantized[name] = ref_blocked(w8, s, (1, 32)).astype(np.float32)
     elif fmt == "fp8_block":
       w8, s = q.quantize_fp8_block(w, (16, 16))
+      tensors |= {name: w8, module + ".weight_scale_inv": s}
+      dequantized[name] = ref_blocked(w8, s, (16, 16)).astype(np.float32)
+    elif fmt == "fp8_block_e8m0":  # power-of-two scales stored as E8M0 bytes (DeepSeek V3.1 style)
+      qw = quant.quantize(jnp.asarray(w), "fp8_block", (16, 16), jnp.dtype(jnp.uint8))
+      w8, s = np.asarray(qw.values), np.asarray(qw.scales)
       tensors |= {name: w8, module + ".weight_scale_inv": s}
       dequantized[name] = ref_blocked(w8, s, (16, 16)).astype(np.float32)
     else:
@@ -188,12 +197,22 @@ def test_quantized_fixture_end_to_end(tmp_path, fmt):
   write_plain(dequantized, FLAT_B16, tmp_path / "plain")
   source = TensorSource.open(tmp_path / "quant")
   formats = {source.quant_format(n) for n in source.keys()}
-  assert formats == {None, fmt}
+  assert formats == {None, FORMAT_OF.get(fmt, fmt)}
   assert source.quant_format("language_model.model.layers.0.block_sparse_moe.gate.weight") is None  # ignored
   quant_model = m3jax.load(tmp_path / "quant", kernels="reference")
   plain_model = m3jax.load(tmp_path / "plain", kernels="reference")
   a, b = params(quant_model), params(plain_model)
   assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+  # keep_quantized: fp8 formats keep every quantized linear as stored, and each dequantizes exactly to the plain
+  # model's parameter (in m3jax's layout); NVFP4 is dequantized on load all the same.
+  kept = params(m3jax.load(tmp_path / "quant", kernels="reference", keep_quantized=True))
+  fp8 = {k[:-1] for k in kept if k[-1] == "values"}
+  assert len(fp8) == (0 if fmt == "nvfp4" else 20)  # 2 layers x (4 attention + 2 indexer + 4 MLP)
+  for path in fp8:
+    blocks = (1, 32) if fmt == "mxfp8" else (16, 16)
+    w = q.dequantize_blocked(kept[path + ("values",)], kept[path + ("scales",)], blocks)
+    np.testing.assert_array_equal(np.swapaxes(w, -1, -2).reshape(b[path].shape), b[path])
+  assert all(np.array_equal(kept[k], b[k]) for k in b if k[:-1] not in fp8 and k in kept)
   if fmt == "mxfp8":  # identical parameters give identical logits; run the forward once to show it end to end
     ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"][:, :40]
     np.testing.assert_array_equal(np.asarray(quant_model(ids)), np.asarray(plain_model(ids)))
@@ -203,7 +222,7 @@ def test_quantized_fixture_end_to_end(tmp_path, fmt):
   assert {k: n for k, (n, _) in report.params.items()} == {k: n for k, (n, _) in plain.params.items()}
   assert report.params["routed experts"][1] < plain.params["routed experts"][1] / 3  # bytes stored
   summary = convert(tmp_path / "quant", tmp_path / "dst", dtype="bfloat16", progress=False)
-  assert summary.dequantized[fmt] > 0 and summary.quantization == FORMATS[fmt]["quant_method"]
+  assert summary.dequantized[FORMAT_OF.get(fmt, fmt)] > 0 and summary.quantization == FORMATS[fmt]["quant_method"]
   c = params(m3jax.load(tmp_path / "dst"))
   d = params(m3jax.load(tmp_path / "plain", dtype="bfloat16"))
   assert all(np.array_equal(c[k], d[k]) for k in c)
@@ -227,7 +246,8 @@ def test_quantization_config_mismatches_are_named(tmp_path):
   # Quantized tensors but no quantization_config at all.
   del cfg["quantization_config"]
   cfg_path.write_text(json.dumps(cfg))
-  with pytest.raises(CheckpointError, match=r"is quantized \(mxfp8.*no quantization_config"):
+  with pytest.raises(CheckpointError, match=r"is quantized \(with .*weight_scale_inv'\) but config.json has no "
+                                            r"quantization_config"):
     convert(tmp_path / "q", tmp_path / "out", progress=False)
   assert not (tmp_path / "out").exists()
 
@@ -238,11 +258,87 @@ def test_malformed_quantized_tensors_are_named(tmp_path):
   d.mkdir()
   save_file({"a.weight": w8, "a.weight_scale_inv": np.ascontiguousarray(s[:5, :1])}, str(d / "model.safetensors"))
   (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp8"}}))
-  with pytest.raises(CheckpointError, match=r"model\.safetensors: 'a\.weight_scale_inv': scale grid \[5, 1\]"):
+  with pytest.raises(CheckpointError, match=r"model\.safetensors: 'a\.weight_scale_inv' has shape \[5, 1\] but mxfp8 "
+                                            r"\(quant_method 'mxfp8', blocks of 1x32\) implies \[32, 2\] for 'a\.weight'"):
     TensorSource.open(d)
   save_file({"a.weight": w8}, str(d / "model.safetensors"))
   with pytest.raises(CheckpointError, match=r"'a\.weight' has dtype F8_E4M3.*without its scale"):
     TensorSource.open(d).check(["a.weight"])
   save_file({"a.weight_packed": np.zeros((4, 8), np.uint8)}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"'a\.weight_packed' is NVFP4 but quantization_config declares "
+                                            r"quant_method 'mxfp8'"):
+    TensorSource.open(d)
+  (d / "config.json").write_text(json.dumps({"quantization_config": FORMATS["nvfp4"]}))
   with pytest.raises(CheckpointError, match=r"NVFP4 weight 'a\.weight_packed' has no 'a\.weight_scale'"):
     TensorSource.open(d)
+
+
+W1 = "language_model.model.layers.0.block_sparse_moe.experts.0.w1"
+
+
+def _rewrite(path, edit) -> None:
+  """Applies ``edit`` to the tensors of path/model.safetensors (a dict, edited in place) and writes them back."""
+  file = str(path / "model.safetensors")
+  tensors = {n: read_tensor(file, n) for n in SafetensorsDir(path).keys()}
+  edit(tensors)
+  save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("case", ["transposed", "widened", "float_scale", "bf16_scale", "missing"])
+def test_mis_shaped_or_mis_typed_mxfp8_scales_are_refused(tmp_path, case):
+  """#45: a transposed ([32, 2] -> [2, 32]) or widened scale used to convert silently under a guessed block;
+  every scale must now have exactly the dtype and shape the declared format implies."""
+  quantize_checkpoint(FLAT_B16, tmp_path / "q", "mxfp8")
+  scale = W1 + ".weight_scale_inv"
+  edits = {
+      "transposed": lambda t: t.update({scale: np.ascontiguousarray(t[scale].T)}),
+      "widened": lambda t: t.update({scale: np.concatenate([t[scale], t[scale][:, :1]], axis=1)}),
+      "float_scale": lambda t: t.update({scale: t[scale].astype(np.float32)}),
+      "bf16_scale": lambda t: t.update({scale: t[scale].astype(ml_dtypes.bfloat16)}),
+      "missing": lambda t: t.pop(scale),
+  }
+  _rewrite(tmp_path / "q", edits[case])
+  want = {
+      "transposed": r"'[^']*w1\.weight_scale_inv' has shape \[2, 32\] but mxfp8 \(quant_method 'mxfp8', blocks of "
+                    r"1x32\) implies \[32, 2\] for '[^']*w1\.weight' of shape \[32, 48\]",
+      "widened": r"w1\.weight_scale_inv' has shape \[32, 3\] but mxfp8 .* implies \[32, 2\]",
+      "float_scale": r"w1\.weight_scale_inv' has dtype F32; mxfp8 \(quant_method 'mxfp8'\) stores its scales as U8 or "
+                     r"F8_E8M0",
+      "bf16_scale": r"w1\.weight_scale_inv' has dtype BF16",
+      "missing": r"w1\.weight' has dtype F8_E4M3.*without its scale",
+  }[case]
+  for attempt in (lambda: m3jax.load(tmp_path / "q"), lambda: convert(tmp_path / "q", tmp_path / "out", progress=False)):
+    with pytest.raises(CheckpointError, match=want) as info:
+      attempt()
+    assert "\n" not in str(info.value)
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("qc, want", [
+    ({"quant_method": "awq"}, r"unknown quant_method 'awq'"),
+    ({"ignored_layers": ["lm_head"]}, r"unknown quant_method None"),
+    ({"quant_method": "mxfp8", "weight_block_size": [1, 16]}, r"mxfp8 has blocks of \[1, 32\]"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be two positive integers"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized"}, r"compressed-tensors format 'int-quantized'"),
+])
+def test_unknown_quantization_configs_are_refused(tmp_path, qc, want):
+  quantize_checkpoint(FLAT_B16, tmp_path / "q", "mxfp8")
+  cfg_path = tmp_path / "q" / "config.json"
+  cfg = json.loads(cfg_path.read_text())
+  cfg["quantization_config"] = qc
+  cfg_path.write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match=r"config\.json: quantization_config: " + want):
+    m3jax.load(tmp_path / "q")
+
+
+def test_declared_fp8_block_size_is_used_not_guessed(tmp_path):
+  """The fp8 fixture declares 16 x 16 blocks; declaring 128 x 128 instead (which the stored [2, 3] grids of a
+  [32, 48] weight do not fit) is an error naming the shapes, not a silent re-interpretation."""
+  quantize_checkpoint(FLAT_B16, tmp_path / "q", "fp8_block")
+  cfg_path = tmp_path / "q" / "config.json"
+  cfg = json.loads(cfg_path.read_text())
+  del cfg["quantization_config"]["weight_block_size"]
+  cfg_path.write_text(json.dumps(cfg))
+  with pytest.raises(CheckpointError, match=r"has shape \[\d+, \d+\] but fp8_block \(quant_method 'fp8', blocks of "
+                                            r"128x128\) implies \[1, 1\]"):
+    TensorSource.open(tmp_path / "q")

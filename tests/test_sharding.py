@@ -194,6 +194,19 @@ def test_sharded_forward_matches_single_device(fixture, meshes):
     assert result[mesh]["logprob_err"] <= 1e-4, (mesh, result[mesh])
 
 
+def test_fp8_weights_load_into_their_shards():
+  """Weights kept in fp8 (#47) on tensor=8 and expert=4 x tensor=2: restored straight into their shards from the
+  safetensors fixture and from a convert --keep-quantized copy; logits vs HF's."""
+  specs = ["mxfp8_b128:tensor=8", "mxfp8_b128:converted:expert=4,tensor=2", "fp8block_b128:tensor=8"]
+  result = run_worker("fp8", *specs)
+  for spec in specs:
+    r = result[spec]
+    assert r["rel_err"] <= 1e-5 and r["laid_out"] and r["values_dtype"] == "float8_e4m3fn", (spec, r)
+    want = "P('tensor',)" if spec.endswith(":tensor=8") else "P(('expert', 'tensor'),)"
+    assert r["experts_spec"] == [want, want], (spec, r)  # whole experts per device, values and scales alike
+    assert r["max_device_fp8_bytes"] < r["fp8_bytes"] / 2, (spec, r)  # split, not replicated
+
+
 def test_vision_tower_data_parallel_over_images_matches():
   result = run_worker("vision", "data=2,tensor=4", "data=4,expert=2")
   for mesh, r in result.items():

@@ -1,10 +1,13 @@
 """The directory ``m3jax convert`` writes, and reading it back.
 
   DST/config.json              normalised config (M3Config.to_dict())
-  DST/m3jax_checkpoint.json    marker + provenance (written last; a directory without it is not a checkpoint)
+  DST/m3jax_checkpoint.json    marker + provenance (written last; a directory without it is not a checkpoint);
+                               its "quantized" entry lists the weights stored in fp8 (``convert --keep-quantized``
+                               / ``--quantize``): {"quantization_config": ..., "params": {path: QuantSpec}}
   DST/state/                   one Orbax PyTree checkpoint with two subtrees:
       model/...                  the M3ForCausalLM parameters (vision tower included when config.json has a
-                                 vision_config), keyed by their nnx paths (layers/3/mlp/w_gate_up)
+                                 vision_config), keyed by their nnx paths (layers/3/mlp/w_gate_up; a weight kept
+                                 in fp8 is two arrays, layers/3/mlp/w_gate_up/values and .../scales)
       mtp/...                    MTP tensors (``*.mtp.*``) under their checkpoint names relative to 'mtp.'
                                  (layers/0/enorm/weight), cast to the target dtype, router gates kept fp32
   DST/tokenizer.json, chat_template.*, ...   copied from the source
@@ -29,6 +32,7 @@ FORMAT = "m3jax-orbax"
 VERSION = 1
 MODEL, MTP = "model", "mtp"
 EXTRA_TREES = (MTP,)
+QUANTIZED = "quantized"  # marker entry of the weights stored in fp8
 
 ParamPath = tuple[Any, ...]
 
@@ -70,11 +74,19 @@ def state_dir(path: str | os.PathLike) -> str:
   return os.path.join(os.fspath(path), STATE)
 
 
-def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]], ignore: tuple[str, ...] = ()
-                 ) -> dict[orbax_io.KeyPath, orbax_io.LeafInfo]:
+def quantized_specs(marker: dict[str, Any]) -> dict[ParamPath, Any]:
+  """{parameter path: QuantSpec} of the weights a converted checkpoint stores in fp8 (empty: none)."""
+  from m3jax.checkpoint.fp8_params import specs_from_json  # pylint: disable=g-import-not-at-top
+
+  return specs_from_json((marker.get(QUANTIZED) or {}).get("params", {}))
+
+
+def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]], ignore: tuple[str, ...] = (),
+                 allow: tuple[ParamPath, ...] = ()) -> dict[orbax_io.KeyPath, orbax_io.LeafInfo]:
   """Compares the stored model subtree with the model's parameters (from config.json); CheckpointError naming
   the first missing / unexpected parameter or shape mismatch. Stored parameters under a top-level module in
-  ``ignore`` (e.g. 'vision' for a text-only load) are allowed."""
+  ``ignore`` (e.g. 'vision' for a text-only load) or under a path of ``allow`` (fp8 weights read apart) are
+  allowed."""
   try:
     meta = orbax_io.leaf_metadata(state_dir(path))
   except ValueError as e:  # names the file or the array
@@ -88,7 +100,9 @@ def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]], ignore: tuple
     if stored[key].shape != shape:
       raise CheckpointError(f"{state_dir(path)}: parameter {'/'.join(key[1:])!r} has shape "
                             f"{list(stored[key].shape)}, expected {list(shape)} from config.json")
-  extra = sorted(k for k in set(stored) - set(expected) if k[1] not in ignore)
+  allowed = {model_key(p) for p in allow}
+  extra = sorted(k for k in set(stored) - set(expected)
+                 if k[1] not in ignore and not any(k[:len(a)] == a for a in allowed))
   if extra:
     raise CheckpointError(f"{state_dir(path)}: unexpected parameter {'/'.join(extra[0][1:])!r} (shape "
                           f"{list(stored[extra[0]].shape)}) that this config does not use")
@@ -96,11 +110,11 @@ def check_params(path: str, flat: Sequence[tuple[ParamPath, Any]], ignore: tuple
 
 
 def restore_params(path: str, flat: Sequence[tuple[ParamPath, Any]],
-                   placement: Callable[[ParamPath], jax.sharding.Sharding | None], ignore: tuple[str, ...] = ()
-                   ) -> dict[ParamPath, jax.Array]:
+                   placement: Callable[[ParamPath], jax.sharding.Sharding | None], ignore: tuple[str, ...] = (),
+                   skip: tuple[ParamPath, ...] = ()) -> dict[ParamPath, jax.Array]:
   """Reads every parameter straight into a jax.Array with its target sharding (default: the first local device)
-  and the model's dtype for it (``ignore``: see check_params)."""
-  check_params(path, flat, ignore)
+  and the model's dtype for it (``ignore``: see check_params; ``skip``: stored parameters read elsewhere)."""
+  check_params(path, flat, ignore, allow=skip)
   default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   leaves = {model_key(p): (tuple(var.shape), np.dtype(var.dtype), placement(p) or default) for p, var in flat}
   try:

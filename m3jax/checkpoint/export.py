@@ -16,9 +16,10 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
-from m3jax.checkpoint import converted, fsutil, orbax_io
+from m3jax.checkpoint import converted, fp8_params, fsutil, orbax_io
+from m3jax.checkpoint import quantized as q
 from m3jax.checkpoint.loader import abstract_model, build_rules
-from m3jax.checkpoint.pieces import Piece, split_rule
+from m3jax.checkpoint.pieces import Piece, split_fp8, split_rule
 from m3jax.checkpoint.safetensors_dir import INDEX_NAME, CheckpointError
 from m3jax.checkpoint.safetensors_stream import NUMPY_DTYPES, SAFETENSORS_DTYPES, StreamingWriter
 from m3jax.config import M3Config
@@ -55,10 +56,35 @@ def hf_config(cfg: M3Config, dtype: str) -> dict:
   return out
 
 
+def _scale_name(weight: str) -> str:
+  return weight[: -len(".weight")] + q.SCALE_INV
+
+
+def export_quantization_config(specs: dict, recorded: dict | None, quantized: list[str], plain: list[str]) -> dict:
+  """quantization_config of an export with weights in fp8: the format of ``specs`` (one for the whole export),
+  and ignored_layers = the recorded list's entries that match no quantized module, plus the full name of every
+  float Linear module they do not cover (so that the exact checks of m3jax and HF hold: ``quantized`` and
+  ``plain`` are the exported Linear modules, without '.weight')."""
+  kinds = {(spec.fmt, spec.source_block) for spec in specs.values()}
+  if len(kinds) != 1:
+    raise CheckpointError(f"the fp8 weights mix formats {sorted(kinds)}; one quantization_config cannot declare them")
+  fmt, block = kinds.pop()
+  out: dict = {"quant_method": "mxfp8"} if fmt == "mxfp8" else {"quant_method": "fp8",
+                                                                 "weight_block_size": list(block)}
+  base = list(q.QuantConfig.from_config({"quantization_config": recorded}).ignored) if recorded else []
+  matcher = q.QuantConfig(method=out["quant_method"])
+  patterns = [p for p in base if not any(dataclasses.replace(matcher, ignored=(p,)).is_ignored(m) for m in quantized)]
+  cover = dataclasses.replace(matcher, ignored=tuple(patterns))
+  out["ignored_layers"] = patterns + [m for m in plain if not cover.is_ignored(m)]
+  return out
+
+
 def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = False,
            max_shard_bytes: int = DEFAULT_SHARD_BYTES, max_piece_bytes: int = DEFAULT_PIECE_BYTES,
            progress: bool = True) -> ExportSummary:
-  """Writes the m3jax checkpoint ``src`` back as an original-layout safetensors checkpoint at ``out``.
+  """Writes the m3jax checkpoint ``src`` back as an original-layout safetensors checkpoint at ``out``. Weights it
+  stores in fp8 are written in their checkpoint format (``weight`` F8_E4M3 + ``weight_scale_inv``) with a
+  ``quantization_config`` declaring it (``export_quantization_config``).
 
   Args:
     src: a directory written by ``m3jax convert``.
@@ -74,7 +100,8 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
   fsutil.check_destination(out, force, sources=(src,))
   marker = converted.read_marker(src)
   cfg = M3Config.from_file(src)
-  _, flat = abstract_model(cfg, np.dtype(marker["dtype"]))
+  specs = converted.quantized_specs(marker)
+  _, flat = abstract_model(cfg, np.dtype(marker["dtype"]), quantized=specs)
   meta = converted.check_params(src, flat)
   reader = orbax_io.SliceReader(converted.state_dir(src))
 
@@ -82,12 +109,29 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
   # tensors (name, full shape, dtype) in the order their first bytes are produced.
   steps: list[tuple[orbax_io.KeyPath, Piece | None, tuple[str, ...]]] = []
   entries: list[tuple[str, tuple[int, ...], str]] = []
+  linear_modules: dict[str, list[str]] = {"quantized": [], "plain": []}
   for rule in build_rules(cfg, "original"):
     key = converted.model_key(rule.path)
-    info = meta[key]
-    st_dtype = SAFETENSORS_DTYPES[info.dtype]
     shapes = dict(zip(rule.sources, rule.source_shapes))
     seen: set[str] = set()
+    spec = specs.get(rule.path)
+    if spec is not None:  # fp8: values as the weights, scales as their weight_scale_inv, in the source's block
+      linear_modules["quantized"] += [n[: -len(".weight")] for n in rule.sources]
+      for part in fp8_params.PARTS:
+        info = meta[key + (part,)]
+        st_dtype = SAFETENSORS_DTYPES[info.dtype]
+        for piece in split_fp8(rule, part, spec, info.shape, info.dtype.itemsize, max_piece_bytes):
+          names = piece.names if part == "values" else tuple(_scale_name(n) for n in piece.names)
+          steps.append((key + (part,), piece, names))
+          for n, name in zip(piece.names, names):
+            if name not in seen:
+              shape = shapes[n] if part == "values" else q.scale_grid(shapes[n], spec.source_block)
+              entries.append((name, shape, st_dtype))
+          seen.update(names)
+      continue
+    info = meta[key]
+    st_dtype = SAFETENSORS_DTYPES[info.dtype]
+    linear_modules["plain"] += [n[: -len(".weight")] for n, s in shapes.items() if q.is_linear_weight(n, len(s))]
     for piece in split_rule(rule, info.shape, info.dtype.itemsize, max_piece_bytes):
       steps.append((key, piece, piece.names))
       entries += [(n, shapes[n], st_dtype) for n in piece.names if n not in seen]
@@ -96,6 +140,12 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
     info = meta[converted.extra_key(converted.MTP, rel)]
     steps.append((converted.extra_key(converted.MTP, rel), None, (MTP_PREFIX + rel,)))
     entries.append((MTP_PREFIX + rel, info.shape, SAFETENSORS_DTYPES[info.dtype]))
+    if q.is_linear_weight(MTP_PREFIX + rel, len(info.shape)):
+      linear_modules["plain"].append((MTP_PREFIX + rel)[: -len(".weight")])
+  config = hf_config(cfg, marker["dtype"])
+  if specs:
+    recorded = (marker.get(converted.QUANTIZED) or {}).get("quantization_config")
+    config["quantization_config"] = export_quantization_config(specs, recorded, **linear_modules)
 
   shards = _assign_shards(entries, max_shard_bytes)
   n_shards = max(shards.values(), default=0) + 1
@@ -129,7 +179,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
           json.dump({"metadata": {"total_size": total},
                      "weight_map": {name: fnames[shards[name]] for name, _, _ in entries}}, f, indent=2)
       with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, marker["dtype"]), f, indent=2)
+        json.dump(config, f, indent=2)
       fsutil.copy_aux_files(src, tmp)
   finally:
     bar.close()

@@ -25,8 +25,11 @@ COMPONENTS = ("embeddings", "attention", "indexer", "dense MLP", "routed experts
 
 
 def component(path: Sequence[Any]) -> str:
-  """The component a model parameter path belongs to (one of COMPONENTS)."""
+  """The component a model parameter path belongs to (one of COMPONENTS); a weight kept in fp8 (.../values,
+  .../scales) belongs to its weight's."""
   names = [str(p) for p in path]
+  if len(names) > 1 and names[-1] in ("values", "scales"):
+    names = names[:-1]
   if names[0] == "vision":
     return "vision"
   if names[0] == "mtp":
@@ -157,10 +160,31 @@ def _inspect_source(path: str) -> Report:
                 files=_files(path))
 
 
+def fp8_specs(path: str | os.PathLike, quantize: str | None = None) -> dict:
+  """{parameter path: QuantSpec} of the weights a load keeps in fp8: those the checkpoint stores in fp8
+  (``m3jax.load(path, keep_quantized=True)``; a converted checkpoint's recorded ones), or with ``quantize``
+  ('mxfp8') those ``m3jax convert --quantize`` would quantize. Reads metadata only."""
+  from m3jax.checkpoint import fp8_params  # pylint: disable=g-import-not-at-top
+  from m3jax.checkpoint.loader import build_rules  # pylint: disable=g-import-not-at-top
+
+  path = os.fspath(path)
+  cfg = M3Config.from_file(path)
+  if converted.is_converted(path):
+    if quantize is not None:
+      return fp8_params.quantize_specs(build_rules(cfg, "original"), quantize)
+    return converted.quantized_specs(converted.read_marker(path))
+  source = TensorSource.open(path)
+  _, rules = plan_text_load(cfg, source)
+  if quantize is not None:
+    return fp8_params.quantize_specs(rules, quantize)
+  return fp8_params.kept_specs(rules, source)
+
+
 def _inspect_converted(path: str) -> Report:
   marker = converted.read_marker(path)
   cfg = M3Config.from_file(path)
-  _, flat = abstract_model(cfg, np.dtype(marker["dtype"]))
+  specs = converted.quantized_specs(marker)
+  _, flat = abstract_model(cfg, np.dtype(marker["dtype"]), quantized=specs)
   meta = converted.check_params(path, flat)
   params: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
   dtypes: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -183,9 +207,14 @@ def _inspect_converted(path: str) -> Report:
     if cat in converted.EXTRA_TREES:
       extras.setdefault(cat, [len(names), 0, "skipped at conversion"])
   src = marker["source"]
-  quant = f", dequantized from {src['quantization']}" if src.get("quantization") else ""
+  stored = (marker.get(converted.QUANTIZED) or {}).get("quantization_config")
+  if stored:
+    quant = f", {len(specs)} linear weights kept in fp8 ({stored['quant_method']})"
+  else:
+    quant = f", dequantized from {src['quantization']}" if src.get("quantization") else ""
   kind = f"m3jax Orbax checkpoint (converted from {src['layout']}-layout safetensors{quant})"
-  return Report(path=path, kind=kind, config=cfg, dtype=marker["dtype"], quantization=None,
+  return Report(path=path, kind=kind, config=cfg, dtype=marker["dtype"],
+                quantization=stored["quant_method"] if stored else None,
                 params={k: tuple(v) for k, v in params.items()}, extras={k: tuple(v) for k, v in extras.items()},
                 dtypes={k: tuple(v) for k, v in dtypes.items()}, disk_bytes=fsutil.dir_bytes(path),
                 files=_files(path))

@@ -2,7 +2,7 @@
 
 Two sources:
   * a safetensors directory (original MiniMax or HF layout; bf16/fp32 or MXFP8 / FP8-block / NVFP4 quantized,
-    dequantized on load). Pipeline: ``build_rules`` (one TensorRule per parameter) -> ``plan_text_load`` (match
+    dequantized on load unless ``keep_quantized``: then MXFP8 / FP8-block weights stay fp8, fp8_params.py). Pipeline: ``build_rules`` (one TensorRule per parameter) -> ``plan_text_load`` (match
     against the checkpoint) -> read sources (``TensorSource``) -> transform (``rule.to_param``) -> ``fill`` the
     abstract model state, each array placed with its target sharding.
   * a directory written by ``m3jax convert`` (Orbax; see converted.py), restored straight into sharded arrays.
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from m3jax.checkpoint import converted
+from m3jax.checkpoint import converted, fp8_params
 from m3jax.checkpoint import sharding as sharding_lib
 from m3jax.checkpoint.fastops import apply_layout
 from m3jax.checkpoint.fit import check_weights_fit
@@ -30,6 +30,7 @@ from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.source import TensorSource
 from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.config import M3Config
+from m3jax.layers.quantized import QuantSpec
 from m3jax.model import SUPPORTED_DTYPES, M3ForCausalLM, model_dtype
 
 _DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32, "F16": jnp.float16}
@@ -122,13 +123,16 @@ def default_run_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
   return own
 
 
-def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None, with_mtp: bool = False
+def abstract_model(cfg: M3Config, dtype: jnp.dtype, kernels: str | None = None, with_mtp: bool = False,
+                   quantized: dict[ParamPath, QuantSpec] | None = None
                    ) -> tuple[nnx.GraphDef, list[tuple[ParamPath, Any]]]:
-  """(graphdef, [(param path, abstract variable)]) of an M3ForCausalLM; nothing is allocated."""
+  """(graphdef, [(param path, abstract variable)]) of an M3ForCausalLM; nothing is allocated. ``quantized``: the
+  weights kept in fp8 (each a QuantizedLinear: paths .../values and .../scales)."""
   if with_mtp and cfg.text.num_mtp_modules < 1:
     raise CheckpointError("with_mtp: config.json has num_mtp_modules = 0, so there are no MTP modules to load")
   abstract = nnx.eval_shape(lambda: M3ForCausalLM(cfg, dtype=dtype, kernels=kernels,
-                                                   with_vision=cfg.vision is not None, with_mtp=with_mtp))
+                                                   with_vision=cfg.vision is not None, with_mtp=with_mtp,
+                                                   quantized=quantized))
   graphdef, state = nnx.split(abstract)
   return graphdef, list(nnx.to_flat_state(state))
 
@@ -160,8 +164,8 @@ def place(value: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Arra
 
 def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kernels: str | None = None,
          shardings: Any = None, mesh: jax.sharding.Mesh | None = None,
-         axis_rules: sharding_lib.AxisRules | None = None, text_only: bool = False, with_mtp: bool = False
-         ) -> M3ForCausalLM:
+         axis_rules: sharding_lib.AxisRules | None = None, text_only: bool = False, with_mtp: bool = False,
+         keep_quantized: bool | None = None) -> M3ForCausalLM:
   """Loads ``path`` into a ready-to-run model.
 
   Args:
@@ -177,6 +181,10 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
       loaded into ``model.vision`` whenever it has one).
     with_mtp: also load the MTP modules (``model.mtp``, the draft heads of m3jax.speculative) from an
       original-layout checkpoint or one converted from it (by default their tensors are skipped).
+    keep_quantized: keep the linear weights a checkpoint stores in MXFP8 / FP8-block in that form (fp8 values +
+      scales, ``m3jax.layers.quantized``; read as stored, never dequantized on the host) instead of dequantizing
+      them to ``dtype``. Default: False for a safetensors checkpoint, and for an ``m3jax convert`` output the
+      form it was converted into (``--keep-quantized`` / ``--quantize``); False dequantizes those on restore.
 
   Returns:
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
@@ -186,7 +194,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   if os.path.isfile(path):
     raise CheckpointError(f"{path}: is a file; pass the checkpoint directory (the one holding config.json)")
   if converted.is_converted(path):
-    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules, text_only, with_mtp)
+    return _load_converted(path, dtype, kernels, shardings, mesh, axis_rules, text_only, with_mtp, keep_quantized)
   if converted.looks_partial(path):
     raise CheckpointError(f"{path}: has an Orbax '{converted.STATE}' directory but no {converted.MARKER}: an "
                           "incomplete conversion; run `m3jax convert` again")
@@ -196,16 +204,24 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   source = TensorSource.open(path)
   layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp)
   dtype = default_run_dtype(source, layout) if dtype is None else dtype
-  graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
+  specs = fp8_params.kept_specs(rules, source) if keep_quantized else {}
+  graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp, quantized=specs)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
   check_weights_fit(path, flat, placement)
   by_path = {rule.path: rule for rule in rules}
+  unused = set(by_path)
 
   def produce(param_path: ParamPath, var: Any) -> jax.Array:
-    rule = by_path.pop(param_path, None)
+    if param_path[:-1] in specs and param_path[-1] in fp8_params.PARTS:  # kept in fp8: read as stored
+      rule = by_path[param_path[:-1]]
+      unused.discard(rule.path)
+      value = fp8_params.build(rule, param_path[-1], source, specs[rule.path])
+      return place(value, placement(param_path))
+    rule = by_path.get(param_path)
     if rule is None:
       raise CheckpointError(f"internal: no checkpoint rule for parameter {'/'.join(map(str, param_path))}")
+    unused.discard(param_path)
     value = np.asarray(apply_layout(rule.to_param, [source.get(name) for name in rule.sources]))
     if value.shape != tuple(var.shape):
       raise CheckpointError(f"internal: parameter {'/'.join(map(str, param_path))} built with shape "
@@ -213,28 +229,56 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     return place(cast(value, var.dtype), placement(param_path))
 
   model = fill(graphdef, flat, produce)
-  if by_path:
-    raise CheckpointError(f"internal: rules without parameters: {sorted(by_path)[:3]}")
+  if unused:
+    raise CheckpointError(f"internal: rules without parameters: {sorted(unused)[:3]}")
   return model
 
 
 def _load_converted(path: str, dtype, kernels, shardings, mesh, axis_rules, text_only: bool = False,
-                    with_mtp: bool = False) -> M3ForCausalLM:
+                    with_mtp: bool = False, keep_quantized: bool | None = None) -> M3ForCausalLM:
   marker = converted.read_marker(path)
   cfg = M3Config.from_file(path)
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   dtype = jnp.dtype(marker["dtype"]) if dtype is None else dtype
-  graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp)
+  stored = converted.quantized_specs(marker)
+  specs = stored if keep_quantized in (None, True) else {}
+  graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp, quantized=specs)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
   check_weights_fit(path, flat, placement)
   model_flat = [(p, var) for p, var in flat if p[0] != "mtp"]
-  values = converted.restore_params(path, model_flat, placement, ignore=("vision",) if text_only else ())
+  ignore = ("vision",) if text_only else ()
+  dequantize = {p: spec for p, spec in stored.items() if p not in specs}
+  if dequantize:  # stored in fp8 but asked for dequantized: read values / scales on the host, dequantize, place
+    _, stored_flat = abstract_model(cfg, dtype, kernels, False, quantized=stored)
+    converted.check_params(path, [(p, v) for p, v in stored_flat if p[0] != "mtp"], ignore)
+    model_flat = [(p, var) for p, var in model_flat if p not in dequantize]
+  values = converted.restore_params(path, model_flat, placement, ignore=ignore,
+                                    skip=tuple(dequantize) if dequantize else ())
+  if dequantize:
+    values.update(_dequantized_params(path, dequantize, flat, placement))
   if with_mtp:
     values.update(_converted_mtp_params(path, marker, cfg, [(p, var) for p, var in flat if p[0] == "mtp"],
                                         placement))
   return fill(graphdef, flat, lambda param_path, var: values.pop(param_path))
+
+
+def _dequantized_params(path: str, specs: dict[ParamPath, QuantSpec], flat: Sequence[tuple[ParamPath, Any]],
+                        placement: Callable[[ParamPath], Any]) -> dict[ParamPath, jax.Array]:
+  """The parameters a converted checkpoint stores in fp8, dequantized on the host to the model's dtype."""
+  from m3jax.checkpoint import orbax_io  # pylint: disable=g-import-not-at-top
+
+  reader = orbax_io.SliceReader(converted.state_dir(path))
+  out = {}
+  for param_path, var in flat:
+    if param_path not in specs:
+      continue
+    key = converted.model_key(param_path)
+    value = fp8_params.dequantized_param(param_path, reader.read(key + ("values",)), reader.read(key + ("scales",)),
+                                         specs[param_path], var.shape)
+    out[param_path] = place(cast(value, var.dtype), placement(param_path))
+  return out
 
 
 def _converted_mtp_params(path: str, marker: dict[str, Any], cfg: M3Config, flat: Sequence[tuple[ParamPath, Any]],

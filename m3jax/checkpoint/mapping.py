@@ -37,6 +37,10 @@ class TensorRule:
   """One m3jax parameter built from one or more checkpoint tensors.
 
   to_param(list of source arrays) -> parameter array; from_param(parameter) -> list of source arrays.
+  fp8_groups: how the parameter kept in fp8 (``m3jax.layers.quantized``: [*batch, out, in], no transpose) is
+  assembled from its linear sources [..., out, in]: each group of source indices is concatenated along ``out``,
+  and with ``fp8_stacked`` the groups are stacked along a new leading (experts) axis (otherwise there is one
+  group). None for a parameter that is not a linear weight.
   """
 
   path: ParamPath
@@ -44,6 +48,8 @@ class TensorRule:
   source_shapes: tuple[tuple[int, ...], ...]
   to_param: Callable[[Sequence[np.ndarray]], np.ndarray]
   from_param: Callable[[np.ndarray], list[np.ndarray]]
+  fp8_groups: tuple[tuple[int, ...], ...] | None = None
+  fp8_stacked: bool = False
 
 
 def _copy(path, name, shape) -> TensorRule:
@@ -54,7 +60,7 @@ def _linear(path, name, out_in: tuple[int, int], param_shape: tuple[int, ...]) -
   """Checkpoint [out, in] <-> m3jax param = W.T reshaped to param_shape (e.g. [in, heads, dim])."""
   return TensorRule(path, (name,), (out_in,),
                     lambda s: transpose_last2(s[0]).reshape(param_shape),
-                    lambda p: [transpose_last2(p.reshape(out_in[::-1]))])
+                    lambda p: [transpose_last2(p.reshape(out_in[::-1]))], fp8_groups=((0,),))
 
 
 def _gate_up(path, gate: str, up: str, width: int, hidden: int) -> TensorRule:
@@ -66,7 +72,7 @@ def _gate_up(path, gate: str, up: str, width: int, hidden: int) -> TensorRule:
     return out
 
   return TensorRule(path, (gate, up), ((width, hidden), (width, hidden)), to_param,
-                    lambda p: [transpose_last2(p[:, :width]), transpose_last2(p[:, width:])])
+                    lambda p: [transpose_last2(p[:, :width]), transpose_last2(p[:, width:])], fp8_groups=((0, 1),))
 
 
 def _expert_gate_up(path, w1: list[str], w3: list[str], width: int, hidden: int) -> TensorRule:
@@ -84,7 +90,8 @@ def _expert_gate_up(path, w1: list[str], w3: list[str], width: int, hidden: int)
     return ([transpose_last2(p[i, :, :width]) for i in range(e)]
             + [transpose_last2(p[i, :, width:]) for i in range(e)])
 
-  return TensorRule(path, tuple(w1 + w3), ((width, hidden),) * (2 * e), to_param, from_param)
+  return TensorRule(path, tuple(w1 + w3), ((width, hidden),) * (2 * e), to_param, from_param,
+                    fp8_groups=tuple((i, e + i) for i in range(e)), fp8_stacked=True)
 
 
 def _expert_down(path, w2: list[str], width: int, hidden: int) -> TensorRule:
@@ -98,14 +105,15 @@ def _expert_down(path, w2: list[str], width: int, hidden: int) -> TensorRule:
     return out
 
   return TensorRule(path, tuple(w2), ((hidden, width),) * e, to_param,
-                    lambda p: [transpose_last2(p[i]) for i in range(e)])
+                    lambda p: [transpose_last2(p[i]) for i in range(e)], fp8_groups=tuple((i,) for i in range(e)),
+                    fp8_stacked=True)
 
 
 def _stacked_transpose(path, name, shape: tuple[int, int, int]) -> TensorRule:
   """HF stacked experts [E, out, in] <-> [E, in, out]."""
   return TensorRule(path, (name,), (shape,),
                     lambda s: transpose_last2(s[0]),
-                    lambda p: [transpose_last2(p)])
+                    lambda p: [transpose_last2(p)], fp8_groups=((0,),))
 
 
 def _hf_gate_up(path, name, width: int, hidden: int) -> TensorRule:

@@ -18,8 +18,10 @@ from typing import Protocol
 
 import numpy as np
 
+from m3jax.checkpoint import fp8_params
 from m3jax.checkpoint.fastops import apply_layout, transpose_last2
 from m3jax.checkpoint.mapping import TensorRule, expert_subrule, num_stacked_experts
+from m3jax.layers.quantized import QuantSpec
 
 Index = tuple[slice, ...]
 
@@ -76,6 +78,26 @@ def split_rule(rule: TensorRule, shape: tuple[int, ...], itemsize: int, max_byte
   if single_2d and rule.path == ("lm_head",) and rule.source_shapes[0] == shape[::-1]:
     return _column_pieces(rule.sources[0], shape, max_bytes // (shape[0] * itemsize))
   return [whole(rule, shape)]
+
+
+def split_fp8(rule: TensorRule, part: str, spec: QuantSpec, shape: tuple[int, ...], itemsize: int,
+              max_bytes: int) -> list[Piece]:
+  """The pieces of the ``part`` ('values' | 'scales') of ``rule``'s parameter kept in fp8 (fp8_params.build /
+  split; readers are ``fp8_params.Fp8Reader``s): whole, or groups of experts for a stacked-expert parameter."""
+  total = int(np.prod(shape, dtype=np.int64)) * itemsize
+  experts = num_stacked_experts(rule)
+  if total <= max_bytes or not experts:
+    return [Piece(_full(shape), tuple(rule.sources), lambda r: fp8_params.build(rule, part, r, spec),
+                  lambda a: fp8_params.split(rule, part, a, spec))]
+  group = max(max_bytes // max(total // experts, 1), 1)
+  pieces = []
+  for start in range(0, experts, group):
+    stop = min(start + group, experts)
+    sub, rows = expert_subrule(rule, start, stop)
+    pieces.append(Piece((slice(start, stop),) + _full(shape[1:]), tuple(sub.sources),
+                        lambda r, sub=sub, rows=rows: fp8_params.build(sub, part, r, spec, rows),
+                        lambda a, sub=sub: fp8_params.split(sub, part, a, spec), rows))
+  return pieces
 
 
 def _expert_pieces(rule: TensorRule, shape: tuple[int, ...], experts: int, group: int) -> list[Piece]:

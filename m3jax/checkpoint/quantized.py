@@ -46,11 +46,19 @@ class QuantError(ValueError):
   """A quantized tensor group that does not follow its format (the caller adds file and tensor names)."""
 
 
+# quant_method -> the weight format it declares (M3_SPEC §6). Anything else is refused: a format is never guessed
+# from the tensors.
+METHODS: dict[str, Format] = {"mxfp8": "mxfp8", "fp8": "fp8_block", "compressed-tensors": "nvfp4"}
+# Safetensors dtypes of the scales each fp8 format may store (E8M0 comes as U8 or F8_E8M0).
+SCALE_DTYPES: dict[str, tuple[str, ...]] = {"mxfp8": ("U8", "F8_E8M0"), "fp8_block": ("F32", "U8", "F8_E8M0")}
+E8M0_DTYPES = ("U8", "F8_E8M0")
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
   """What config.json's ``quantization_config`` says.
 
-  method: the ``quant_method`` string ('mxfp8', 'fp8', 'compressed-tensors', ...).
+  method: the ``quant_method`` string ('mxfp8', 'fp8', 'compressed-tensors'; others are refused).
   ignored: modules left unquantized (``ignored_layers`` / ``modules_to_not_convert`` / compressed-tensors ``ignore``).
   targets: compressed-tensors ``config_groups[*].targets`` (empty: every Linear).
   weight_block_size: FP8 block (rows, cols) when the config states it.
@@ -63,22 +71,55 @@ class QuantConfig:
 
   @classmethod
   def from_config(cls, raw: Mapping[str, Any]) -> "QuantConfig | None":
-    """From a whole config.json dict (top level or text_config); None for an unquantized checkpoint."""
+    """From a whole config.json dict (top level or text_config); None for an unquantized checkpoint.
+
+    QuantError for an unknown ``quant_method``, a compressed-tensors format other than NVFP4, or a block size
+    that the method does not allow (mxfp8: 1 x 32 only)."""
     q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
     if not q:
       return None
     if not isinstance(q, Mapping):
       raise QuantError(f"config key 'quantization_config' must be an object, got {type(q).__name__}")
+    method = q.get("quant_method")
+    if method not in METHODS:
+      raise QuantError(f"quantization_config: unknown quant_method {method!r}; m3jax reads "
+                       f"{', '.join(repr(m) for m in METHODS)}")
     ignored: list[str] = []
     for key in ("ignored_layers", "modules_to_not_convert", "ignore"):
       ignored += list(q.get(key) or [])
+    groups = q.get("config_groups") or {}
     targets: list[str] = []
-    for group in (q.get("config_groups") or {}).values():
+    for group in groups.values():
       targets += list(group.get("targets") or [])
+    if method == "compressed-tensors":
+      formats = {q.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, Mapping)}
+      if "nvfp4-pack-quantized" not in formats:
+        raise QuantError(f"quantization_config: compressed-tensors format {q.get('format')!r} is not supported; "
+                         "m3jax reads 'nvfp4-pack-quantized'")
     block = q.get("weight_block_size")
-    return cls(method=str(q.get("quant_method", q.get("format", "unknown"))), ignored=tuple(ignored),
-               targets=tuple(t for t in targets if t != "Linear"),
+    if block is not None:
+      ok = (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block))
+      if not ok:
+        raise QuantError(f"quantization_config: weight_block_size must be two positive integers, got {block!r}")
+      if method == "mxfp8" and tuple(block) != (1, MX_BLOCK):
+        raise QuantError(f"quantization_config: mxfp8 has blocks of [1, {MX_BLOCK}], got weight_block_size "
+                         f"{list(block)}")
+    return cls(method=str(method), ignored=tuple(ignored), targets=tuple(t for t in targets if t != "Linear"),
                weight_block_size=tuple(block) if block else None)
+
+  @property
+  def format(self) -> Format:
+    """The weight format ``quant_method`` declares."""
+    return METHODS[self.method]
+
+  @property
+  def block(self) -> tuple[int, int]:
+    """(rows, cols) of one scale of an fp8 format: 1 x 32 for mxfp8, ``weight_block_size`` (default 128 x 128)
+    for fp8."""
+    if self.format == "mxfp8":
+      return (1, MX_BLOCK)
+    return self.weight_block_size or FP8_BLOCK
 
   def is_ignored(self, module: str) -> bool:
     return any(_module_matches(module, entry) for entry in self.ignored)
@@ -122,19 +163,10 @@ def _scale_to_float(scale: np.ndarray) -> np.ndarray:
   return np.asarray(scale, np.float32)
 
 
-def block_shape(weight_shape: Sequence[int], grid_shape: Sequence[int],
-                stated: tuple[int, int] | None = None) -> tuple[int, int]:
-  """The (rows, cols) block of a [out, in] weight whose scales form ``grid_shape`` [g_out, g_in]."""
-  out, inp = weight_shape[-2:]
-  g_out, g_in = grid_shape[-2:]
-  candidates = [stated] if stated else [(1, MX_BLOCK), FP8_BLOCK]
-  if g_out and g_in and out % g_out == 0 and inp % g_in == 0:
-    candidates.append((out // g_out, inp // g_in))
-  for bo, bi in candidates:
-    if math.ceil(out / bo) == g_out and math.ceil(inp / bi) == g_in:
-      return bo, bi
-  raise QuantError(f"scale grid {list(grid_shape)} does not tile a weight of shape {list(weight_shape)} "
-                   f"(tried blocks {candidates})")
+def scale_grid(weight_shape: Sequence[int], block: tuple[int, int]) -> tuple[int, ...]:
+  """The scales' shape of an fp8 weight [..., out, in] with ``block``: [..., ceil(out/bo), ceil(in/bi)]."""
+  *lead, out, inp = weight_shape
+  return (*lead, math.ceil(out / block[0]), math.ceil(inp / block[1]))
 
 
 def dequantize_blocked(weight: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -170,18 +202,20 @@ def dequantize_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.nda
 
 
 def quantize_mxfp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """fp32 [out, in] -> (e4m3 [out, in], uint8 E8M0 [out, ceil(in/32)]); scale = 2^ceil(log2(amax / 448)) per
-  32 inputs (a last partial block has its own scale)."""
-  out, inp = w.shape
+  """fp32 [..., out, in] -> (e4m3 [..., out, in], uint8 E8M0 [..., out, ceil(in/32)]); scale =
+  2^ceil(log2(amax / 448)) per 32 inputs (a last partial block has its own scale). Bit-identical to
+  ``pallas_kernels.quant.quantize(w, 'mxfp8')``."""
+  *lead, out, inp = w.shape
   n_blocks = math.ceil(inp / MX_BLOCK)
-  padded = np.zeros((out, n_blocks * MX_BLOCK), np.float32)
-  padded[:, :inp] = w
-  blocks = padded.reshape(out, n_blocks, MX_BLOCK)
+  padded = np.zeros((*lead, out, n_blocks * MX_BLOCK), np.float32)
+  padded[..., :inp] = w
+  blocks = padded.reshape(*lead, out, n_blocks, MX_BLOCK)
   amax = np.abs(blocks).max(axis=-1)
-  exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 448.0)), 0).astype(np.int32)
+  mant, e = np.frexp(amax / np.float32(448.0))  # exact ceil(log2(x)): e, or e - 1 where x is a power of two
+  exp = np.where(amax > 0, e - (mant == 0.5), 0).astype(np.int32)
   exp = np.clip(exp, -127, 127)
   q = (blocks / np.ldexp(np.float32(1), exp)[..., None]).astype(ml_dtypes.float8_e4m3fn)
-  return np.ascontiguousarray(q.reshape(out, -1)[:, :inp]), (exp + 127).astype(np.uint8)
+  return np.ascontiguousarray(q.reshape(*lead, out, -1)[..., :inp]), (exp + 127).astype(np.uint8)
 
 
 def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,8 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from m3jax.sharding import fit_spec, is_scales
+
 ParamPath = tuple[Any, ...]
 AxisRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -36,7 +38,10 @@ def resolve(flat: Sequence[tuple[ParamPath, Any]], *, shardings: Any = None, mes
   out: dict[ParamPath, jax.sharding.Sharding] = {}
   for path, var in flat:
     if mesh is not None:
-      sharding = NamedSharding(mesh, logical_to_mesh(_logical_axes(var), mesh, axis_rules))
+      spec = logical_to_mesh(_logical_axes(var), mesh, axis_rules)
+      if is_scales(var):  # fp8 scales: dims a mesh axis does not divide stay replicated
+        spec = fit_spec(spec, var.shape, dict(mesh.shape))
+      sharding = NamedSharding(mesh, spec)
     elif isinstance(shardings, jax.sharding.Sharding):
       sharding = shardings
     elif callable(shardings) and not isinstance(shardings, (Mapping, nnx.State)):

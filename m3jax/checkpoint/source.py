@@ -74,22 +74,35 @@ class TensorSource:
     return f"{self.path}/{self.ckpt.file_of(name)}"
 
   def _add_fp8(self, weight: str, scale: str, names: set[str]) -> None:
+    """Registers the fp8 weight ``weight`` with its scale ``scale``, checked exactly against the format that
+    quantization_config declares (dtype of both, shape of the scale grid); nothing is inferred from shapes."""
     if weight not in names:
       raise CheckpointError(f"{self._where(scale)}: {scale!r} has no matching weight {weight!r}")
-    if self.ckpt.dtype(weight) not in ("F8_E4M3", "F8_E5M2"):
-      raise CheckpointError(f"{self._where(weight)}: {weight!r} has dtype {self.ckpt.dtype(weight)} but comes with "
-                            f"{scale!r}; expected float8_e4m3fn")
+    if self.quant is None:
+      raise CheckpointError(f"{self._where(scale)}: {weight!r} is quantized (with {scale!r}) but config.json has no "
+                            "quantization_config declaring its format")
+    fmt = self.quant.format
+    if fmt not in q.SCALE_DTYPES:
+      raise CheckpointError(f"{self._where(scale)}: {scale!r} is an fp8 block scale but quantization_config "
+                            f"declares quant_method {self.quant.method!r} ({fmt})")
+    w_dtype, s_dtype = self.ckpt.dtype(weight), self.ckpt.dtype(scale)
+    if w_dtype != "F8_E4M3":
+      raise CheckpointError(f"{self._where(weight)}: {weight!r} has dtype {w_dtype} but comes with {scale!r}; "
+                            f"{fmt} weights are F8_E4M3 (float8_e4m3fn)")
+    if s_dtype not in q.SCALE_DTYPES[fmt]:
+      raise CheckpointError(f"{self._where(scale)}: {scale!r} has dtype {s_dtype}; {fmt} (quant_method "
+                            f"{self.quant.method!r}) stores its scales as {' or '.join(q.SCALE_DTYPES[fmt])}")
     w_shape, s_shape = self.ckpt.shape(weight), self.ckpt.shape(scale)
-    if len(w_shape) < 2 or len(s_shape) != len(w_shape) or w_shape[:-2] != s_shape[:-2]:
-      raise CheckpointError(f"{self._where(scale)}: scale {scale!r} shape {list(s_shape)} does not fit weight "
-                            f"shape {list(w_shape)}")
-    stated = self.quant.weight_block_size if self.quant else None
-    try:
-      block = q.block_shape(w_shape, s_shape, stated)
-    except q.QuantError as e:
-      raise CheckpointError(f"{self._where(scale)}: {scale!r}: {e}") from None
-    is_mx = block == (1, q.MX_BLOCK) and self.ckpt.dtype(scale) in ("U8", "F8_E8M0")
-    self._format[weight] = "mxfp8" if is_mx else "fp8_block"
+    block = self.quant.block
+    if len(w_shape) < 2:
+      raise CheckpointError(f"{self._where(weight)}: fp8 weight {weight!r} has shape {list(w_shape)}; expected "
+                            "[..., out, in]")
+    want = q.scale_grid(w_shape, block)
+    if tuple(s_shape) != want:
+      raise CheckpointError(f"{self._where(scale)}: {scale!r} has shape {list(s_shape)} but {fmt} (quant_method "
+                            f"{self.quant.method!r}, blocks of {block[0]}x{block[1]}) implies {list(want)} for "
+                            f"{weight!r} of shape {list(w_shape)}")
+    self._format[weight] = fmt
     self._blocks[weight] = block
     self._parts[weight] = (weight, scale)
     self._shape[weight] = w_shape
@@ -97,6 +110,9 @@ class TensorSource:
 
   def _add_nvfp4(self, base: str, names: set[str]) -> None:
     packed, scale, gscale = base + q.PACKED, base + q.SCALE, base + q.GLOBAL_SCALE
+    if self.quant is not None and self.quant.format != "nvfp4":
+      raise CheckpointError(f"{self._where(packed)}: {packed!r} is NVFP4 but quantization_config declares "
+                            f"quant_method {self.quant.method!r} ({self.quant.format})")
     for need in (scale, gscale):
       if need not in names:
         raise CheckpointError(f"{self._where(packed)}: NVFP4 weight {packed!r} has no {need!r}")
@@ -153,15 +169,40 @@ class TensorSource:
     if name not in self._parts:
       raise CheckpointError(f"{self.path}: no tensor {name!r}")
     fmt = self._format.get(name)
-    arrays = [self._read(p, rows) for p in self._parts[name]]
     if fmt is None:
-      return arrays[0]
+      return self._read(name, rows)
     try:
       if fmt == "nvfp4":
-        return q.dequantize_nvfp4(*arrays)
-      return q.dequantize_blocked(arrays[0], arrays[1], self._blocks[name])
+        return q.dequantize_nvfp4(*[self._read(p, rows) for p in self._parts[name]])
+      values, scales = self.get_values(name, rows), self.get_scales(name, rows)
+      block = self._blocks[name]
+      if rows is not None and values.ndim == 2:  # rows of a matrix: its scale rows, one per weight row
+        out = self._shape[name][0]
+        scales = np.repeat(scales, block[0], axis=0)[:out][rows]
+        block = (1, block[1])
+      return q.dequantize_blocked(values, scales, block)
     except (ValueError, q.QuantError) as e:
       raise CheckpointError(f"{self._where(name)}: cannot dequantize {name!r} ({fmt}): {e}") from None
+
+  # --- fp8 weights as stored (mxfp8 / fp8_block): values and scales, for weights kept quantized
+
+  def block(self, name: str) -> tuple[int, int]:
+    """(rows, cols) of one scale of the fp8 weight ``name`` (the block quantization_config declares)."""
+    return self._blocks[name]
+
+  def scale_dtype(self, name: str) -> np.dtype:
+    """uint8 (E8M0) or float32: how the scales of the fp8 weight ``name`` are stored."""
+    return np.dtype(np.uint8) if self.ckpt.dtype(self._parts[name][1]) in q.E8M0_DTYPES else np.dtype(np.float32)
+
+  def get_values(self, name: str, rows: slice | None = None) -> np.ndarray:
+    """The float8_e4m3fn values [..., out, in] of fp8 weight ``name`` as stored; ``rows`` slices the leading axis."""
+    return self._read(self._parts[name][0], rows)
+
+  def get_scales(self, name: str, rows: slice | None = None) -> np.ndarray:
+    """The scales of fp8 weight ``name`` as stored (uint8 E8M0 or float32); ``rows`` slices the leading axis of
+    a stacked [E, out, in] weight (experts); a matrix's scales are read whole."""
+    arr = self._read(self._parts[name][1], rows if len(self._shape[name]) > 2 else None)
+    return arr.astype(self.scale_dtype(name), copy=False)
 
   def _read(self, name: str, rows: slice | None) -> np.ndarray:
     return read_tensor(os.path.join(self.path, self.ckpt.file_of(name)), name, rows)

@@ -22,6 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--piece-mb", type=int, default=128,
                  help="large arrays (stacked experts, embedding, LM head) are built and written in pieces of at most "
                       "this many MiB (default 128); peak memory is about 3x this plus 256 MiB in flight")
+  q = p.add_mutually_exclusive_group()
+  q.add_argument("--keep-quantized", action="store_true",
+                 help="store the weights SRC keeps in MXFP8 / FP8-block as they are (fp8 values + scales), not "
+                      "dequantized; m3jax.load restores them in fp8")
+  q.add_argument("--quantize", choices=("mxfp8",), default=None,
+                 help="quantize a bf16 / fp32 SRC's linear weights (experts, shared expert, dense MLP, attention and "
+                      "indexer projections) into MXFP8 on the way")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.set_defaults(func=run)
 
@@ -31,6 +38,6 @@ def run(args: argparse.Namespace) -> int:
 
   summary = convert(args.src, args.dst, dtype=args.dtype, layout=args.layout, force=args.force,
                     keep_mtp=not args.drop_mtp, text_only=args.text_only, max_piece_bytes=args.piece_mb << 20,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, keep_quantized=args.keep_quantized, quantize=args.quantize)
   print("\n".join(summary.lines()))
   return 0

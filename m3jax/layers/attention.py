@@ -11,7 +11,8 @@ from m3jax import logical_axes as ax
 from m3jax.cache import LayerCache
 from m3jax.config import TextConfig
 from m3jax.layers.norms import RMSNorm
-from m3jax.layers.params import make_param, project
+from m3jax.layers.params import make_param
+from m3jax.layers.quantized import is_quantized, linear
 from m3jax.layers.rope import apply_partial_rope
 from m3jax.parallel.projection import FusedWeights, fuse_weights, fused_projection, project_fused
 from m3jax.ops import attention as attention_ops
@@ -40,6 +41,12 @@ class Indexer(nnx.Module):
     """The query [H, Hi, Di] and key [H, 1, Di] projection weights and their logical axes (fused_projection)."""
     return ([self.q_proj[...], self.k_proj[...][:, None, :]],
             [(ax.EMBED, ax.IDX_HEADS, ax.IDX_DIM), (ax.EMBED, None, ax.IDX_DIM)])
+
+  def project_each(self, x: jax.Array, kernels) -> list[jax.Array]:
+    """x [B,S,H] -> index q [B,S,Hi,Di] and k [B,S,1,Di], one projection each (weights kept quantized)."""
+    q = linear(x, self.q_proj, "bsh,hnd->bsnd", kernels=kernels)
+    k = linear(x, self.k_proj, "bsh,hd->bsd", kernels=kernels)
+    return [q, k[:, :, None, :]]
 
   def finish(self, q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Projected q [B,S,Hi,Di], k [B,S,1,Di] -> idx_q [B,S,Hi,Di], idx_k [B,S,Di] (post-norm, post-RoPE)."""
@@ -77,10 +84,22 @@ class Attention(nnx.Module):
       weights, axes = weights + index_weights, axes + index_axes
     return weights, axes
 
+  def _quantized_projections(self) -> bool:
+    """Whether any input projection is kept in fp8 (the layer then projects with each weight on its own)."""
+    index = () if self.indexer is None else (self.indexer.q_proj, self.indexer.k_proj)
+    return is_quantized(self.q_proj, self.k_proj, self.v_proj, *index)
+
+  def _project_each(self, x: jax.Array) -> list[jax.Array]:
+    """q [B,S,Nq,D], k, v [B,S,Nkv,D] (and index q, k) with one projection per weight."""
+    out = [linear(x, w, "bsh,hnd->bsnd", kernels=self.kernels) for w in (self.q_proj, self.k_proj, self.v_proj)]
+    return out + ([] if self.indexer is None else self.indexer.project_each(x, self.kernels))
+
   def fused_weights(self) -> FusedWeights | None:
     """This layer's projection weights as one fused weight (``m3jax.parallel.projection``), to build once
     before a decode loop and pass as ``projection`` on every step; None where the plan splits the hidden
-    axis (the layer then projects with each weight on its own)."""
+    axis, or where the weights are kept in fp8 (the layer then projects with each weight on its own)."""
+    if self._quantized_projections():
+      return None
     return fuse_weights(*self._projection_weights())
 
   def __call__(
@@ -96,7 +115,9 @@ class Attention(nnx.Module):
     """
     # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
     x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
-    if projection is None:
+    if projection is None and self._quantized_projections():
+      q, k, v, *index = self._project_each(x)
+    elif projection is None:
       q, k, v, *index = fused_projection(x, *self._projection_weights())
     else:
       q, k, v, *index = project_fused(x, projection)
@@ -125,7 +146,7 @@ class Attention(nnx.Module):
     record = {} if collect is None else self._record(
         collect, q, k[:, :, ::r], None if idx_q is None else idx_q[:, :, ::r], idx_k, positions,
         None if block_ids is None else block_ids[:, :, ::r], scale)
-    return project("bsnd,ndh->bsh", out, self.o_proj[...]), cache, record
+    return linear(out, self.o_proj, "bsnd,ndh->bsh", kernels=self.kernels), cache, record
 
   def _record(self, collect: Collect, q, k, idx_q, idx_k, positions, block_ids, scale) -> dict[str, jax.Array]:
     """The research intermediates of this layer (m3jax.research documents names and shapes)."""

@@ -9,13 +9,17 @@ from flax import nnx
 from m3jax import logical_axes as ax
 from m3jax.config import TextConfig
 from m3jax.layers.params import make_param
+from m3jax.layers.quantized import weight_of
 from m3jax.ops import moe as moe_ops
 from m3jax.ops.dispatch import KernelChoice
 from pallas_kernels.moe.reference import gated_mlp, route_reference
 
 
 class DenseMLP(nnx.Module):
-  """x -> down(swiglu_oai(x @ gate_up)); gate_up [H, 2F] holds the gate columns first, then up."""
+  """x -> down(swiglu_oai(x @ gate_up)); gate_up [H, 2F] holds the gate columns first, then up.
+
+  Either weight may be kept in fp8 (``m3jax.layers.quantized``; the MLP then runs the reference on the
+  dequantized weight, whose fp32 gate_up output feeds SwiGLU as in the bf16 path)."""
 
   def __init__(self, hidden: int, width: int, *, alpha: float, limit: float, dtype: jnp.dtype,
                rngs: nnx.Rngs | None):
@@ -26,7 +30,7 @@ class DenseMLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., H] -> [..., H]."""
     flat = x.reshape(-1, x.shape[-1])
-    y = gated_mlp(flat, self.gate_up[...], self.down[...], alpha=self.alpha, limit=self.limit)
+    y = gated_mlp(flat, weight_of(self.gate_up), weight_of(self.down), alpha=self.alpha, limit=self.limit)
     return y.reshape(x.shape)
 
 
@@ -50,16 +54,16 @@ class MoE(nnx.Module):
   def __call__(self, x: jax.Array, prepared: moe_ops.ExpertOperands | None = None) -> jax.Array:
     """x [B, S, H] -> [B, S, H]. ``prepared``: ``prepared_experts()`` built once outside a decode loop."""
     return moe_ops.moe_block(
-        x, self.router[...], self.correction_bias[...], self.w_gate_up[...], self.w_down[...],
-        self.shared.gate_up[...], self.shared.down[...], top_k=self.top_k, routed_scaling_factor=self.scale,
+        x, self.router[...], self.correction_bias[...], weight_of(self.w_gate_up), weight_of(self.w_down),
+        weight_of(self.shared.gate_up), weight_of(self.shared.down), top_k=self.top_k, routed_scaling_factor=self.scale,
         swiglu_alpha=self.alpha, swiglu_limit=self.limit, kernels=self.kernels, prepared=prepared)
 
   def prepared_experts(self) -> moe_ops.ExpertOperands | None:
     """The MoE kernels' operands of this layer's experts, to build once before a decode loop and pass to every
     step (``__call__``'s ``prepared``); None where the kernels would not gain (reference path, bf16 weights).
     For fp32 weights they hold the bf16 hi / lo split: 1.5x the expert weights' bytes while the loop runs."""
-    return moe_ops.prepare_experts(self.w_gate_up[...], self.w_down[...], self.shared.gate_up[...],
-                                   self.shared.down[...], kernels=self.kernels)
+    return moe_ops.prepare_experts(weight_of(self.w_gate_up), weight_of(self.w_down), weight_of(self.shared.gate_up),
+                                   weight_of(self.shared.down), kernels=self.kernels)
 
   def routing(self, x: jax.Array) -> dict[str, jax.Array]:
     """Router intermediates for x [B, S, H]: router_logits fp32 [B,S,E], expert_ids int32 [B,S,K],

@@ -10,6 +10,7 @@ from m3jax.ops.dispatch import KernelChoice, run_op, runs_kernel
 from m3jax.parallel import moe as parallel_moe
 from pallas_kernels.moe.api import ExpertOperands, prepare_expert_weights
 from pallas_kernels.moe.reference import moe_block_reference
+from pallas_kernels.quant import QuantizedWeight
 
 
 def prepare_experts(w_gate_up: jax.Array, w_down: jax.Array, shared_gate_up: jax.Array, shared_down: jax.Array, *,
@@ -17,7 +18,10 @@ def prepare_experts(w_gate_up: jax.Array, w_down: jax.Array, shared_gate_up: jax
   """The MoE kernels' operands for ``moe_block``'s ``prepared``, built once before a decode loop; None where
   nothing is gained: the reference path, or weights the kernels read as they are (bf16 / f16). fp32 weights
   get the kernels' bf16 hi / lo split (1.5x their bytes), which XLA:GPU would otherwise recompute on every
-  step of the loop (BENCHMARKS.md). The activations must have the weights' dtype (as in the model)."""
+  step of the loop (BENCHMARKS.md). The activations must have the weights' dtype (as in the model). Weights kept
+  in fp8 (``QuantizedWeight``) are read as they are: None."""
+  if any(isinstance(w, QuantizedWeight) for w in (w_gate_up, w_down, shared_gate_up, shared_down)):
+    return None
   if w_gate_up.dtype != jnp.float32 or not runs_kernel(kernels):
     return None
   plan = sharding.current_plan()
@@ -30,7 +34,8 @@ def moe_block(x: jax.Array, router_w: jax.Array, correction_bias: jax.Array, w_g
               w_down: jax.Array, shared_gate_up: jax.Array, shared_down: jax.Array, *, top_k: int,
               routed_scaling_factor: float, swiglu_alpha: float, swiglu_limit: float,
               kernels: KernelChoice, prepared: ExpertOperands | None = None) -> jax.Array:
-  """x [..., H] (e.g. [B,S,H] or [T,H]) -> same shape; weights in the layout of pallas_kernels.moe.reference.
+  """x [..., H] (e.g. [B,S,H] or [T,H]) -> same shape; weights in the layout of pallas_kernels.moe.reference (each
+  MLP weight an array or a ``QuantizedWeight``).
 
   Under a multi-device sharding plan, [B,S,H] inputs run expert-parallel (m3jax.parallel.moe). ``prepared``:
   ``prepare_experts(...)`` of the same weights under the same plan, built once for many calls; the kernels use

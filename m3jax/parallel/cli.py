@@ -19,6 +19,10 @@ def add_mesh_arguments(p: argparse.ArgumentParser, *, distributed: bool = True) 
                    help="multi-host: host:port of process 0 (jax.distributed.initialize); same command on every host")
     g.add_argument("--num-processes", type=int, default=None, help="multi-host: number of processes")
     g.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index")
+  w = p.add_argument_group("weights")
+  w.add_argument("--keep-quantized", action="store_true",
+                 help="keep the weights the checkpoint stores in MXFP8 / FP8-block in fp8 (default: dequantize them; "
+                      "a checkpoint converted with --keep-quantized / --quantize restores them in fp8 either way)")
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -35,12 +39,13 @@ def init_distributed(args: argparse.Namespace) -> None:
 
 
 def load_kwargs(args: argparse.Namespace) -> dict:
-  """``m3jax.load`` keyword arguments for the mesh flags ({} without --mesh)."""
+  """``m3jax.load`` keyword arguments for the mesh and weights flags."""
+  weights = {"keep_quantized": True} if getattr(args, "keep_quantized", False) else {}
   if args.mesh is None:
     if args.sequence_parallel:
       raise ValueError("--sequence-parallel needs --mesh")
-    return {}
+    return weights
   from m3jax import sharding  # pylint: disable=g-import-not-at-top
 
   rules = sharding.RULES_SP if args.sequence_parallel else sharding.RULES
-  return {"mesh": sharding.make_mesh(args.mesh), "axis_rules": rules}
+  return {"mesh": sharding.make_mesh(args.mesh), "axis_rules": rules, **weights}

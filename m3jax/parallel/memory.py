@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax import logical_axes as ax
-from m3jax.sharding import RULES, Rules, check_config, format_mesh, logical_spec, mesh_sizes, spec_axes
+from m3jax.sharding import RULES, Rules, check_config, fit_spec, format_mesh, logical_spec, mesh_sizes, spec_axes
 
 # MXFP8 (M3_SPEC §6.1): one fp8 byte per weight plus one e8m0 scale byte per 32 weights.
 FP8_BYTES = 1 + 1 / 32
@@ -108,22 +108,24 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # under 'attn' (and its 'indexer'
 
 
 @functools.lru_cache(maxsize=4)
-def _abstract_params(config: Any, dtype: Any, with_mtp: bool = False
-                     ) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...], bool, bool], ...]:
-  """(component, shape, dtype, logical names, is an input projection, is a routed-expert weight) of every
-  parameter the loader would build."""
+def _abstract_params(config: Any, dtype: Any, with_mtp: bool = False, quantized: tuple = ()
+                     ) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...], bool, bool, bool], ...]:
+  """(component, shape, dtype, logical names, is a fused input projection, is a float routed-expert weight, is
+  fp8 scales) of every parameter the loader would build (``quantized``: (path, QuantSpec) pairs kept in fp8)."""
   from m3jax.checkpoint.loader import abstract_model  # pylint: disable=g-import-not-at-top
   from m3jax.checkpoint.mapping import EXPERT_PARAMS  # pylint: disable=g-import-not-at-top
+  from m3jax.sharding import is_scales  # pylint: disable=g-import-not-at-top
 
-  _, flat = abstract_model(config, dtype, with_mtp=with_mtp)
+  _, flat = abstract_model(config, dtype, with_mtp=with_mtp, quantized=dict(quantized) or None)
   return tuple((_component(path), tuple(var.shape), var.dtype,
                 tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape)),
-                "attn" in path and path[-1] in _PROJECTIONS, path[-1] in EXPERT_PARAMS) for path, var in flat)
+                "attn" in path and path[-1] in _PROJECTIONS, path[-1] in EXPERT_PARAMS, is_scales(var))
+               for path, var in flat)
 
 
 def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int, context: int,
                 dtype: Any = jnp.bfloat16, expert_bytes: float | None = None, cache_dtype: Any = None,
-                rules: Rules = RULES, with_mtp: bool = False) -> MemoryPlan:
+                rules: Rules = RULES, with_mtp: bool = False, quantized: Mapping | None = None) -> MemoryPlan:
   """Weight and cache bytes per device.
 
   Args:
@@ -131,20 +133,26 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     mesh: a Mesh, {'expert': 8}, or 'data=1,expert=8,tensor=1'.
     batch, context: cache size (sequences x tokens).
     dtype: parameter dtype (router weights / correction biases stay fp32, as in the model).
-    expert_bytes: bytes per routed-expert weight if different (e.g. FP8_BYTES for an MXFP8 forecast).
+    expert_bytes: bytes per routed-expert weight if different (e.g. FP8_BYTES: a forecast of MXFP8 experts
+      from the shapes alone; ``quantized`` plans the real thing).
     cache_dtype: KV / index-key cache dtype (default: dtype).
     with_mtp: include the MTP modules (weights as "MTP module", their sparse-layer caches as "MTP cache") that
       speculative decoding loads.
+    quantized: {parameter path: QuantSpec} of the weights kept in fp8 (``m3jax.load(..., keep_quantized=True)``,
+      ``m3jax.checkpoint.fp8_params``): their values and scales are counted as stored and laid out.
   """
   sizes = mesh_sizes(mesh)
   check_config(config, sizes, rules)
   weights: dict[str, float] = {}
   total = fused = mtp_experts = 0.0
-  for comp, shape, param_dtype, names, projection, expert in _abstract_params(config, jnp.dtype(dtype), with_mtp):
+  quantized_items = tuple(sorted((quantized or {}).items(), key=lambda kv: tuple(map(str, kv[0]))))
+  for comp, shape, param_dtype, names, projection, expert, scales in _abstract_params(
+      config, jnp.dtype(dtype), with_mtp, quantized_items):
     itemsize = np.dtype(param_dtype).itemsize
     if expert_bytes is not None and comp == "routed experts":
       itemsize = expert_bytes
     spec = logical_spec(names, sizes, rules)
+    spec = fit_spec(spec, shape, sizes) if scales else spec
     split = math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
     nbytes = math.prod(shape) * itemsize
     total += nbytes
@@ -154,7 +162,8 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
   # fp32 weights run the MoE kernels through a bf16 [hi; lo; hi] copy (3 x 2 bytes per 4-byte weight), which a
   # decode loop prepares once: the routed experts, and the shared expert where it runs in the kernels (one device).
   split_experts = 0.0
-  if jnp.dtype(dtype) == jnp.float32 and expert_bytes is None:
+  if jnp.dtype(dtype) == jnp.float32 and expert_bytes is None and not any(
+      str(p[-1]) in ("w_gate_up", "w_down") for p in (quantized or {})):  # fp8 experts are read as they are
     split_experts = 1.5 * (weights.get("routed experts", 0.0) + mtp_experts)
     if math.prod(sizes.values()) == 1:
       split_experts += 1.5 * weights.get("shared experts", 0.0)
@@ -186,7 +195,12 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     notes.append(f"tensor axis ({heads_ranks}) > {t.num_kv_heads} KV heads: each KV / index head is replicated "
                  f"{kv_heads // t.num_kv_heads}x (vLLM), each device stores {kv_heads // heads_ranks} KV head(s)")
   if expert_bytes is not None:
-    notes.append(f"routed experts at {expert_bytes:g} bytes/weight (forecast; m3jax dequantizes on load today)")
+    notes.append(f"routed experts at {expert_bytes:g} bytes/weight (a forecast from the shapes; --keep-quantized / "
+                 "--quantize plan the weights kept in fp8)")
+  if quantized:
+    fmts = sorted({spec.fmt for spec in quantized.values()})
+    notes.append(f"{len(quantized)} linear weights kept in fp8 ({', '.join(fmts)}): values 1 byte per weight plus "
+                 "their scales")
   return MemoryPlan(mesh=sizes, batch=batch, context=context, weights={k: int(v) for k, v in weights.items()},
                     weights_global=int(total), cache={k: int(v) for k, v in cache.items()},
                     cache_global=int(global_cache), kv_heads_stored=kv_heads, fused_projections=int(fused),

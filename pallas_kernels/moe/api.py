@@ -27,6 +27,7 @@ from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic
 from pallas_kernels.moe.dispatch import Dispatch, build_broadcast_dispatch, build_dispatch
 from pallas_kernels.moe.kernel_sm90 import grouped_matmul
 from pallas_kernels.moe.routing import route
+from pallas_kernels.quant import QuantizedWeight
 
 _NATIVE = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -35,6 +36,12 @@ def _check_activation_dtype(op: str, dtype) -> None:
   """NotImplementedError for activations other than bf16/f16/f32."""
   if jnp.dtype(dtype) not in (*_NATIVE, jnp.dtype(jnp.float32)):
     raise NotImplementedError(f"{op} supports bf16/f16/f32 activations, got {dtype}")
+
+
+def _reject_quantized(op: str, *weights) -> None:
+  """NotImplementedError for fp8 QuantizedWeights (the fp8 kernels come with #47; run_op then takes the reference)."""
+  if any(isinstance(w, QuantizedWeight) for w in weights):
+    raise NotImplementedError(f"{op}: no kernel for quantized (fp8) weights yet")
 
 
 def _check_dtypes(op: str, x: jax.Array, **weights: jax.Array) -> None:
@@ -56,6 +63,7 @@ def _check_expert_weights(w_gate_up, w_down, h, e=None):
 
 def _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down, top_k):
   """Raises ValueError on inconsistent shapes, NotImplementedError on unsupported dtypes."""
+  _reject_quantized("moe_block", w_gate_up, w_down, shared_gate_up, shared_down)
   if x.ndim != 2:
     raise ValueError(f"x must be [T, H], got {x.shape}")
   t, h = x.shape
@@ -110,6 +118,7 @@ def prepare_expert_weights(dtype, w_gate_up: jax.Array, w_down: jax.Array, share
     w_gate_up [E, H, 2I], w_down [E, I, H]; optional shared_gate_up [H, 2Is], shared_down [Is, H].
   """
   _check_activation_dtype("prepare_expert_weights", dtype)
+  _reject_quantized("prepare_expert_weights", w_gate_up, w_down, shared_gate_up, shared_down)
   _check_expert_weights(w_gate_up, w_down, w_gate_up.shape[1])
   if (shared_gate_up is None) != (shared_down is None):
     raise ValueError("prepare_expert_weights needs both shared_gate_up and shared_down, or neither")
@@ -260,6 +269,7 @@ def routed_experts(
   Returns:
     fp32 [T, H], unscaled by routed_scaling_factor.
   """
+  _reject_quantized("routed_experts", w_gate_up, w_down)
   if x.ndim != 2:
     raise ValueError(f"x must be [T, H], got {x.shape}")
   t, h = x.shape

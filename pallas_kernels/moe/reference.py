@@ -4,6 +4,9 @@ Weights use the m3jax [in, out] layout:
   router_w [H, E] (fp32), correction_bias [E] (fp32),
   w_gate_up [E, H, 2I] (columns [0, I) gate, [I, 2I) up -- not interleaved), w_down [E, I, H],
   shared_gate_up [H, 2Is], shared_down [Is, H].
+Any of the four MLP weights may instead be a ``pallas_kernels.quant.QuantizedWeight`` in the checkpoint
+orientation [..., out, in]: w_gate_up [E, 2I, H] (gate rows first, then up), w_down [E, H, I], shared_gate_up
+[2Is, H], shared_down [H, Is]. It is dequantized to the activations' dtype, then the math is the same.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.quant import as_in_out
 
 
 def swiglu_oai(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
@@ -26,10 +31,12 @@ def swiglu_oai(gate_up: jax.Array, *, alpha: float, limit: float) -> jax.Array:
 
 
 def gated_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, alpha: float, limit: float) -> jax.Array:
-  """Dense SwiGLU-OAI MLP: x [T, H] @ w_gate_up [H, 2F] -> act (fp32) -> @ w_down [F, H] -> [T, H] in x.dtype."""
-  h = jnp.dot(x, w_gate_up.astype(x.dtype), preferred_element_type=jnp.float32)
+  """Dense SwiGLU-OAI MLP: x [T, H] @ w_gate_up [H, 2F] -> act (fp32) -> @ w_down [F, H] -> [T, H] in x.dtype.
+
+  (Quantized weights: w_gate_up [2F, H], w_down [H, F]; see the module docstring.)"""
+  h = jnp.dot(x, as_in_out(w_gate_up, x.dtype), preferred_element_type=jnp.float32)
   a = swiglu_oai(h, alpha=alpha, limit=limit).astype(x.dtype)
-  return jnp.dot(a, w_down.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+  return jnp.dot(a, as_in_out(w_down, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def router_scores(x: jax.Array, router_w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -80,13 +87,15 @@ def routed_experts_reference(
 
   Args:
     x: [T, H]; weights: fp32 [T, K]; expert_ids: int32 [T, K] (global ids); w_gate_up: [E_local, H, 2I];
-    w_down: [E_local, I, H]; first_expert: int32 scalar (may be traced, e.g. from an axis index).
+    w_down: [E_local, I, H] (or QuantizedWeights [E_local, 2I, H] / [E_local, H, I]); first_expert: int32 scalar
+    (may be traced, e.g. from an axis index).
 
   Returns:
     fp32 [T, H] (unscaled by routed_scaling_factor).
   """
   t, _ = x.shape
   k = expert_ids.shape[1]
+  w_gate_up, w_down = as_in_out(w_gate_up, x.dtype), as_in_out(w_down, x.dtype)
   e_local = w_gate_up.shape[0]
   local_ids = expert_ids - first_expert
   held = (local_ids >= 0) & (local_ids < e_local)
@@ -95,9 +104,9 @@ def routed_experts_reference(
   token_of = order // k
   group_sizes = jnp.bincount(flat_ids, length=e_local).astype(jnp.int32)  # drops the others
   xs = x[token_of]
-  hdn = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+  hdn = jax.lax.ragged_dot(xs, w_gate_up, group_sizes, preferred_element_type=jnp.float32)
   act = swiglu_oai(hdn, alpha=alpha, limit=limit).astype(x.dtype)
-  out = jax.lax.ragged_dot(act, w_down.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+  out = jax.lax.ragged_dot(act, w_down, group_sizes, preferred_element_type=jnp.float32)
   w = jnp.where(held, weights, 0.0).reshape(-1)[order]
   out = jnp.where((w != 0)[:, None], out * w[:, None], 0.0)  # rows past the groups are never read
   return jax.ops.segment_sum(out, token_of, num_segments=t)
