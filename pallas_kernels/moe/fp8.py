@@ -92,8 +92,9 @@ def heuristic_fp8_tiles(num_tokens: int, hidden: int, inter: int, fmt: str) -> t
     bm, stages = max(8, -(-num_tokens // 8) * 8), 6
   else:
     bm, stages = PREFILL_BLOCK_M, 4
+  down_rows = 2 if hidden % 256 == 0 else 1  # the down items: 256 output features (its K, I, is short)
   gate_up = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages), 2, hidden, fmt, 2)
-  down = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages), 1, inter, fmt, 2)
+  down = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages, row_tiles=down_rows), 1, inter, fmt, 2)
   return gate_up, down
 
 

@@ -38,10 +38,9 @@ from pallas_kernels import _fp8_tiles as tiles
 from pallas_kernels.quant import QuantizedWeight
 
 _NUM_COMPUTE_WGS = 2
-BLOCK_N = tiles.ROWS * _NUM_COMPUTE_WGS  # weight rows (output features) of one work item, per part
 BLOCK_K = tiles.BLOCK_K
 _EPI_COLS = tiles.ROWS  # each warpgroup stores its [block_m, 64] output slice
-SCALE_K_ALIGN = 512  # K (per split) multiple of this: the scale rows are whole 16-byte multiples for the copy
+SCALE_K_ALIGN = 512  # fp8_block / split K: K per split a multiple of this (16-byte scale copies)
 SMEM_LIMIT_BYTES = 227 * 1024
 
 
@@ -52,11 +51,14 @@ class Fp8Tiles:
   block_m: token rows of a tile (wgmma N): a multiple of 8 in [8, 256] (gate_up: <= 128, two accumulators).
   max_concurrent_steps: TMA pipeline depth (stages of [block_m, 128] bf16 + n_parts x [128, 128] fp8).
   k_splits: K ranges per (tile, n-tile); > 1 returns fp32 partial sums.
+  row_tiles: 64-row weight tiles per warpgroup and part (1 or 2): an item covers block_n = 128 * row_tiles
+    output features (2: fewer, longer items where K is short, e.g. the down projection).
   """
 
   block_m: int = 64
   max_concurrent_steps: int = 3
   k_splits: int = 1
+  row_tiles: int = 1
 
   def __post_init__(self):
     if self.block_m % 8 or not 8 <= self.block_m <= 256:
@@ -65,12 +67,20 @@ class Fp8Tiles:
       raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
     if self.k_splits < 1:
       raise ValueError(f"k_splits must be >= 1, got {self.k_splits}")
+    if self.row_tiles not in (1, 2):
+      raise ValueError(f"row_tiles must be 1 or 2, got {self.row_tiles}")
+
+  @property
+  def block_n(self) -> int:
+    """Output features of one work item (per part)."""
+    return tiles.ROWS * self.row_tiles * _NUM_COMPUTE_WGS
 
   def smem_bytes(self, n_parts: int, k: int, fmt: str, out_itemsize: int) -> int:
     """Shared memory of one CTA: pipeline stages, the item's scales, the epilogue staging tiles."""
-    stage = self.block_m * BLOCK_K * 2 + n_parts * BLOCK_N * BLOCK_K
+    stage = self.block_m * BLOCK_K * 2 + n_parts * self.block_n * BLOCK_K
     kc = k // self.k_splits
-    scales = _NUM_COMPUTE_WGS * n_parts * (tiles.ROWS * kc // 32 if fmt == "mxfp8" else 4 * kc // 128)
+    per_group = tiles.ROWS * kc // 32 if fmt == "mxfp8" else 4 * kc // 128
+    scales = _NUM_COMPUTE_WGS * n_parts * self.row_tiles * per_group
     epilogue = _NUM_COMPUTE_WGS * self.block_m * _EPI_COLS * out_itemsize
     interp_a = 0  # the interpreter's A staging is not a GPU allocation
     return stage * self.max_concurrent_steps + scales + epilogue + interp_a
@@ -89,7 +99,10 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
     ws_gmem, ss_gmem, out_gmem = rest
   else:
     (out_gmem,), ws_gmem, ss_gmem = rest, None, None
-  bm, bn, bk, wg_rows = cfg.block_m, BLOCK_N, BLOCK_K, tiles.ROWS
+  bm, bn, bk, rows = cfg.block_m, cfg.block_n, BLOCK_K, tiles.ROWS
+  subs = cfg.row_tiles
+  wg_rows = rows * subs
+  groups = [(p, sub) for p in range(n_parts) for sub in range(subs)]  # accumulator g = p * subs + sub
   num_experts = w_gmem.shape[0]
   k = lhs_gmem.shape[1]
   kc = k // cfg.k_splits
@@ -113,18 +126,18 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
     return [w2d.at[pl.ds(p * n_out + ni * bn, bn), pl.ds(ks * kc, kc)] for p in range(n_parts)]
 
   if fmt == "mxfp8":
-    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, n_parts, wg_rows, kc // tiles.MX_BLOCK), jnp.uint8)
+    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), rows, kc // tiles.MX_BLOCK), jnp.uint8)
   else:
-    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, n_parts, kc // 128), jnp.float32)
+    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), kc // 128), jnp.float32)
   out_transforms = tiles.bf16_tile_transforms(_EPI_COLS) if out_dtype != jnp.float32 else (
       plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   scoped = dict(
       out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bm, _EPI_COLS), out_dtype, transforms=out_transforms),
       scale_smem=scale_alloc,
-      scale_barrier=plgpu.Barrier(num_arrivals=n_parts, num_barriers=_NUM_COMPUTE_WGS),
+      scale_barrier=plgpu.Barrier(num_arrivals=len(groups), num_barriers=_NUM_COMPUTE_WGS),
   )
   if interpret:  # the interpreter's wgmma reads A from SMEM only
-    scoped["a_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, wg_rows, bk), jnp.bfloat16,
+    scoped["a_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, rows, bk), jnp.bfloat16,
                                   transforms=tiles.bf16_tile_transforms(bk))
   ignore = lambda *_, **__: None
   alloc_refs = [lhs_gmem.at[pl.ds(0, bm), pl.ds(0, kc)], *views(w_gmem.at[0], 0, 0)]
@@ -146,14 +159,14 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
       lhs_rows = pl.ds(0, bm) if broadcast_lhs else pl.ds(mi * bm, bm)
 
       def load_scales(s_ref):
-        """This warpgroup's block scales for the item (all parts, the split's K range) into SMEM."""
-        for p in range(n_parts):
-          row0 = p * n_out + ni * bn + wg * wg_rows
+        """This warpgroup's block scales for the item (all its 64-row groups, the split's K range) into SMEM."""
+        for g, (p, sub) in enumerate(groups):
+          row0 = p * n_out + ni * bn + wg * wg_rows + sub * rows
           if fmt == "mxfp8":
-            src = s_ref.at[pl.ds(row0, wg_rows), pl.ds(ks * (kc // tiles.MX_BLOCK), kc // tiles.MX_BLOCK)]
+            src = s_ref.at[pl.ds(row0, rows), pl.ds(ks * (kc // tiles.MX_BLOCK), kc // tiles.MX_BLOCK)]
           else:
             src = s_ref.at[lax.div(row0, 128), pl.ds(ks * (kc // 128), kc // 128)]
-          plgpu.copy_gmem_to_smem(src, scale_smem.at[wg, p], scale_barrier.at[wg])
+          plgpu.copy_gmem_to_smem(src, scale_smem.at[wg, g], scale_barrier.at[wg])
         plgpu.barrier_wait(scale_barrier.at[wg])
 
       def compute_context(run_pipeline):
@@ -162,24 +175,25 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         else:
           pl.when(expert < num_experts)(lambda: load_scales(s_gmem.at[expert]))
           pl.when(expert >= num_experts)(lambda: load_scales(ss_gmem))
-        accs = [plgpu.ACC((wg_rows, bm), jnp.float32) for _ in range(n_parts)]
+        accs = [plgpu.ACC((rows, bm), jnp.float32) for _ in groups]
 
         def _acc_scope(*acc_refs):
           run_pipeline(tuple(acc_refs))
-          if epilogue == "swiglu":
-            y = _swiglu(acc_refs[0][...], acc_refs[1][...], alpha=alpha, limit=limit)
-          else:
-            y = acc_refs[0][...]
-          y = y.astype(out_dtype)  # [64 weight rows, bm tokens]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this WG's previous store has read its SMEM
-          if interpret:
-            out_smem[wg] = y.T
-          else:
-            out_smem.at[wg].transpose((1, 0))[...] = y
-          plgpu.commit_smem()
           dst = out_gmem.at[ks] if split_out else out_gmem
-          plgpu.copy_smem_to_gmem(
-              out_smem.at[wg], dst.at[pl.ds(mi * bm, bm), pl.ds(ni * bn + wg * wg_rows, wg_rows)])
+          for sub in range(subs):
+            if epilogue == "swiglu":
+              y = _swiglu(acc_refs[sub][...], acc_refs[subs + sub][...], alpha=alpha, limit=limit)
+            else:
+              y = acc_refs[sub][...]
+            y = y.astype(out_dtype)  # [64 weight rows, bm tokens]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this WG's previous store has read its SMEM
+            if interpret:
+              out_smem[wg] = y.T
+            else:
+              out_smem.at[wg].transpose((1, 0))[...] = y
+            plgpu.commit_smem()
+            col0 = ni * bn + wg * wg_rows + sub * rows
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[pl.ds(mi * bm, bm), pl.ds(col0, rows)])
 
         pl.run_scoped(_acc_scope, *accs)
 
@@ -187,12 +201,13 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         (ki,) = idx
         *w_smems, acc_refs = rest_refs
         b = lhs_smem.transpose((1, 0))  # [bk, bm]: the tokens as wgmma's N
-        for p, (acc, w_smem) in enumerate(zip(acc_refs, w_smems)):
-          w_tile = w_smem.at[pl.ds(wg * wg_rows, wg_rows)]
+        for g, (p, sub) in enumerate(groups):
+          acc = acc_refs[g]
+          w_tile = w_smems[p].at[pl.ds(wg * wg_rows + sub * rows, rows)]
           if fmt == "mxfp8":
-            codes = scale_smem.at[wg, p, :, pl.ds(ki * tiles._MX_PER_STEP, tiles._MX_PER_STEP)]
+            codes = scale_smem.at[wg, g, :, pl.ds(ki * tiles._MX_PER_STEP, tiles._MX_PER_STEP)]
           else:
-            scale = scale_smem[wg, p, ki]
+            scale = scale_smem[wg, g, ki]
           if interpret:
             if fmt == "mxfp8":
               a = tiles.dequant_mx_jnp(w_tile[...], codes[...])
@@ -239,10 +254,17 @@ def check_fp8_shapes(w: QuantizedWeight, n_parts: int, k: int, cfg: Fp8Tiles) ->
   if w.fmt == "fp8_block" and tuple(w.block) != (128, 128):
     raise NotImplementedError(f"fp8_block kernels need 128 x 128 blocks, got {w.block}")
   n = rows // n_parts
-  if rows % n_parts or n % BLOCK_N:
-    raise NotImplementedError(f"output features per part ({rows} / {n_parts}) must be a multiple of {BLOCK_N}")
-  if k % cfg.k_splits or (k // cfg.k_splits) % SCALE_K_ALIGN:
-    raise NotImplementedError(f"reduction dim {k} / k_splits {cfg.k_splits} must be a multiple of {SCALE_K_ALIGN}")
+  if rows % n_parts or n % cfg.block_n:
+    raise NotImplementedError(f"output features per part ({rows} / {n_parts}) must be a multiple of "
+                              f"block_n={cfg.block_n}")
+  kc = k // cfg.k_splits
+  if k % cfg.k_splits or kc % BLOCK_K:
+    raise NotImplementedError(f"reduction dim {k} / k_splits {cfg.k_splits} must be a multiple of {BLOCK_K}")
+  # An item's scales travel as one copy per 64 rows: contiguous rows (mxfp8, whole K: 64 * K/32 bytes) need
+  # nothing more; a K range of mxfp8 codes (a 2D box) or an fp32 block-scale row needs 16-byte multiples.
+  if (w.fmt == "fp8_block" or cfg.k_splits > 1) and kc % SCALE_K_ALIGN:
+    raise NotImplementedError(f"{w.fmt} with k_splits={cfg.k_splits}: the reduction range per split ({kc}) must "
+                              f"be a multiple of {SCALE_K_ALIGN}")
 
 
 def grouped_matmul_fp8(
@@ -291,9 +313,9 @@ def grouped_matmul_fp8(
     raise NotImplementedError(f"lhs rows {lhs.shape[0]} must be a multiple of block_m={cfg.block_m}")
   if broadcast_lhs and lhs.shape[0] != cfg.block_m:
     raise ValueError(f"broadcast_lhs needs lhs of block_m={cfg.block_m} rows, got {lhs.shape}")
-  if epilogue == "swiglu" and cfg.block_m > 128:
-    raise ValueError(f"gate_up holds two [64, block_m] fp32 accumulators per warpgroup: block_m <= 128, "
-                     f"got {cfg.block_m}")
+  if n_parts * cfg.row_tiles * cfg.block_m > 256:
+    raise ValueError(f"{cfg}: {n_parts * cfg.row_tiles} fp32 accumulators of [64, {cfg.block_m}] per warpgroup "
+                     "exceed 128 registers a thread")
   if cfg.k_splits > 1:
     out_dtype = jnp.float32
   out_itemsize = jnp.dtype(out_dtype).itemsize
@@ -316,6 +338,6 @@ def grouped_matmul_fp8(
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       interpret=interpret or None,
-      kernel_name=f"moe_grouped_fp8_{w.fmt}_{epilogue}_bm{cfg.block_m}_ks{cfg.k_splits}",
+      kernel_name=f"moe_grouped_fp8_{w.fmt}_{epilogue}_bm{cfg.block_m}_bn{cfg.block_n}_ks{cfg.k_splits}",
   )
   return kernel(*operands)
