@@ -5,7 +5,7 @@ multiplied on the bf16 tensor cores (``pallas_kernels.moe.kernel_sm90_fp8``, run
 exact against ``dequantize(w, bfloat16)`` followed by an fp32-accumulated bf16 matmul.
 
 Decode (T <= 64) is bandwidth-bound and has few output tiles, so the reduction dim is split across work items
-(``k_splits``) until every SM streams weights; the fp32 partial sums ([k_splits, T, out], small next to the
+(``k_splits``) until every SM streams weights; the fp32 partial sums ([k_splits, out, T], small next to the
 weight) are added by XLA. Prefill (T > 64) runs 128-token tiles without a split.
 """
 
@@ -40,9 +40,15 @@ def heuristic_linear_tiles(num_tokens: int, out_features: int, in_features: int,
   """Tiles for x [T, in] @ W^T [in, out]. Decode: token tile T rounded up to 8, and the (row tiles, K splits)
   pair that minimises the modelled time ceil(items / SMs) * block_n * (K / splits + overhead); prefill: 128-token
   tiles, 256-feature items where they tile."""
-  if num_tokens > DECODE_MAX_TOKENS:
-    rt = 2 if out_features % 256 == 0 else 1
-    return _fit_stages(Fp8Tiles(block_m=128, max_concurrent_steps=4, row_tiles=rt), in_features, fmt, 2)
+  if num_tokens > DECODE_MAX_TOKENS:  # the widest item whose whole-K scales and pipeline fit in SMEM
+    for rt, bm in ((2, 128), (1, 128), (1, 64)):
+      if out_features % (128 * rt):
+        continue
+      try:
+        return _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=4, row_tiles=rt), in_features, fmt, 2)
+      except NotImplementedError:
+        continue
+    raise NotImplementedError(f"an fp8 [{out_features}, {in_features}] weight does not tile for prefill")
   bm = max(8, -(-num_tokens // 8) * 8)
   best = None
   for rt in (1, 2):
@@ -107,6 +113,6 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, interpret: Any = False
   one = QuantizedWeight(w.values[None], w.scales[None], w.fmt, w.block)
   y = grouped_matmul_fp8(meta, lhs, one, None, n_parts=1, epilogue="none", out_dtype=x.dtype, tiles_cfg=cfg,
                          num_sms=sms, interpret=interp)
-  if cfg.k_splits > 1:
-    y = jnp.sum(y, axis=0)
-  return y[:t].astype(x.dtype)
+  if cfg.k_splits > 1:  # fp32 partial sums [k_splits, out, M_pad]
+    return jnp.sum(y, axis=0).T[:t].astype(x.dtype)
+  return y[:t]

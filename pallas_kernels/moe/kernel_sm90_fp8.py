@@ -16,7 +16,7 @@ Work items are (tile, 128-row n-tile, K split) triples walked by a persistent gr
 ``kernel_sm90``: live tile count, then each tile's expert; id E selects the shared expert). An item's block
 scales (the whole K range of its 2 x 64 rows) are copied into SMEM once, by a bulk copy beside the value
 pipeline. ``k_splits > 1`` (the dense decode projections: few n-tiles, long K) writes fp32 partial sums
-``[k_splits, M_pad, N]`` that the caller adds.
+``[k_splits, N, M_pad]`` (transposed: as the accumulators hold them) that the caller adds.
 
 gate_up: ``n_parts=2`` (gate rows ``[0, N)``, up rows ``[N, 2N)`` of each expert, as the checkpoint stores
 ``gate_up_proj``), ``epilogue="swiglu"``; down: ``n_parts=1``, ``epilogue="none"``.
@@ -129,10 +129,15 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
     scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), rows, kc // tiles.MX_BLOCK), jnp.uint8)
   else:
     scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), kc // 128), jnp.float32)
-  out_transforms = tiles.bf16_tile_transforms(_EPI_COLS) if out_dtype != jnp.float32 else (
-      plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  if split_out:  # fp32 partial sums stored as they sit in the accumulators: [64 features, bm tokens]
+    swizzle = plgpu.find_swizzle(bm * 32)
+    out_tile = (_NUM_COMPUTE_WGS, rows, bm)
+    out_transforms = (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+  else:  # stored transposed: [bm tokens, 64 features]
+    out_tile = (_NUM_COMPUTE_WGS, bm, _EPI_COLS)
+    out_transforms = tiles.bf16_tile_transforms(_EPI_COLS)
   scoped = dict(
-      out_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bm, _EPI_COLS), out_dtype, transforms=out_transforms),
+      out_smem=plgpu.SMEM(out_tile, out_dtype, transforms=out_transforms),
       scale_smem=scale_alloc,
       scale_barrier=plgpu.Barrier(num_arrivals=len(groups), num_barriers=_NUM_COMPUTE_WGS),
   )
@@ -166,7 +171,9 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
             src = s_ref.at[pl.ds(row0, rows), pl.ds(ks * (kc // tiles.MX_BLOCK), kc // tiles.MX_BLOCK)]
           else:
             src = s_ref.at[lax.div(row0, 128), pl.ds(ks * (kc // 128), kc // 128)]
-          plgpu.copy_gmem_to_smem(src, scale_smem.at[wg, g], scale_barrier.at[wg])
+          # In bounds by construction; the promise lets a contiguous range go as one bulk copy (no TMA box).
+          plgpu.copy_gmem_to_smem(src, scale_smem.at[wg, g], scale_barrier.at[wg],
+                                  oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
         plgpu.barrier_wait(scale_barrier.at[wg])
 
       def compute_context(run_pipeline):
@@ -187,12 +194,17 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
               y = acc_refs[sub][...]
             y = y.astype(out_dtype)  # [64 weight rows, bm tokens]
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this WG's previous store has read its SMEM
+            col0 = ni * bn + wg * wg_rows + sub * rows
+            if split_out:
+              out_smem[wg] = y
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[pl.ds(col0, rows), pl.ds(mi * bm, bm)])
+              continue
             if interpret:
               out_smem[wg] = y.T
             else:
               out_smem.at[wg].transpose((1, 0))[...] = y
             plgpu.commit_smem()
-            col0 = ni * bn + wg * wg_rows + sub * rows
             plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[pl.ds(mi * bm, bm), pl.ds(col0, rows)])
 
         pl.run_scoped(_acc_scope, *accs)
@@ -290,11 +302,12 @@ def grouped_matmul_fp8(
     lhs: bf16 [M_pad, K], M_pad = max_tiles * block_m; with broadcast_lhs, [block_m, K], the rows of every tile.
     w: QuantizedWeight [E, n_parts * N, K]; w_shared: QuantizedWeight [n_parts * N, K] (same format) or None.
     n_parts / epilogue: 2 / "swiglu" (gate rows first, then up) or 1 / "none".
-    out_dtype: dtype of the [M_pad, N] result (fp32 and [k_splits, M_pad, N] when tiles_cfg.k_splits > 1).
+    out_dtype: dtype of the [M_pad, N] result (when tiles_cfg.k_splits > 1: fp32 partial sums, transposed,
+      [k_splits, N, M_pad]).
     interpret: False, or plgpu.InterpretGPUParams() to run on CPU.
 
   Returns:
-    [M_pad, N] (or [k_splits, M_pad, N] fp32 partial sums); rows of dead tiles are left unwritten.
+    [M_pad, N] (or [k_splits, N, M_pad] fp32 partial sums); rows of dead tiles are left unwritten.
   """
   if lhs.dtype != jnp.bfloat16:
     raise NotImplementedError(f"fp8 grouped GEMM takes bf16 activations, got {lhs.dtype}")
@@ -323,7 +336,7 @@ def grouped_matmul_fp8(
     raise NotImplementedError(f"{cfg} needs {need} bytes of SMEM (> {SMEM_LIMIT_BYTES})")
   m_pad = (meta.shape[0] - 1) * cfg.block_m if broadcast_lhs else lhs.shape[0]
   n = w.shape[1] // n_parts
-  out_shape = (cfg.k_splits, m_pad, n) if cfg.k_splits > 1 else (m_pad, n)
+  out_shape = (cfg.k_splits, n, m_pad) if cfg.k_splits > 1 else (m_pad, n)
   operands = [meta, lhs, w.values, kernel_scales(w)]
   if w_shared is not None:
     operands += [w_shared.values, kernel_scales(w_shared)]
