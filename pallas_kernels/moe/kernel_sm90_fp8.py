@@ -106,7 +106,7 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
   num_experts = w_gmem.shape[0]
   k = lhs_gmem.shape[1]
   kc = k // cfg.k_splits
-  n_out = out_gmem.shape[-1]
+  n_out = w_gmem.shape[1] // n_parts  # output features per part
   n_tiles = n_out // bn
   out_dtype = out_gmem.dtype
   split_out = cfg.k_splits > 1
