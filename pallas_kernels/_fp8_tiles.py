@@ -16,8 +16,10 @@ bf16 tensor cores. Both formats are exact against ``pallas_kernels.quant.dequant
 
 Two implementations with one contract: on the GPU an ``inline_mgpu`` routine of integer PTX (``prmt``, shifts,
 ``lop3``, ``mul.bf16x2``: no e4m3 -> bf16 ``cvt`` exists before PTX ISA 9.2), and in Pallas' GPU interpreter
-(which cannot run ``inline_mgpu``) the same arithmetic in jnp. The interpreter therefore checks the kernels'
-tiling, indexing and scale addressing; the PTX conversion is checked by the compiled (``gpu``) kernel tests.
+(which cannot run ``inline_mgpu``) the same weights computed in fp32 jnp. The interpreter therefore checks the
+kernels' tiling, indexing and scale addressing; the PTX's bit arithmetic is checked by a numpy emulation of it
+over every code (tests/kernels/test_fp8_kernels.py) and, compiled, by the ``gpu`` kernel tests (an identity
+matmul that must return the dequantized weight bit for bit).
 """
 
 from __future__ import annotations
@@ -53,23 +55,12 @@ def bf16_tile_transforms(minor: int) -> tuple:
 # Interpreter (jnp) path
 
 
-def _mx_scale_bf16(codes: jax.Array) -> jax.Array:
-  """uint8 E8M0 codes -> bf16 2^(s - 7) (the e4m3 bit move's 2^-120 folded in), from the bits (s + 120) << 7."""
-  bits = (codes.astype(jnp.uint16) + jnp.uint16(120)) << jnp.uint16(7)
-  return lax.bitcast_convert_type(bits, jnp.bfloat16)
-
-
-def _e4m3_bits_to_bf16(values: jax.Array) -> jax.Array:
-  """float8_e4m3fn -> bf16 equal to value * 2^-120 (sign to bit 15, exponent and mantissa to bits 4..10)."""
-  u = lax.bitcast_convert_type(values, jnp.uint8).astype(jnp.uint16)
-  bits = ((u & jnp.uint16(0x80)) << jnp.uint16(8)) | ((u & jnp.uint16(0x7F)) << jnp.uint16(4))
-  return lax.bitcast_convert_type(bits, jnp.bfloat16)
-
-
 def dequant_mx_jnp(values: jax.Array, codes: jax.Array) -> jax.Array:
-  """values float8_e4m3fn [R, 128], codes uint8 [R, 4] -> bf16 [R, 128], the kernel's arithmetic in jnp."""
-  scale = jnp.repeat(_mx_scale_bf16(codes), MX_BLOCK, axis=1)
-  return _e4m3_bits_to_bf16(values) * scale
+  """values float8_e4m3fn [R, 128], codes uint8 [R, 4] -> bf16 [R, 128]: the weight the PTX path computes
+  (e4m3 * 2^(s - 127), one rounding), in fp32 jnp (the PTX's intermediate e4m3 * 2^-120 is subnormal for small
+  codes, which XLA:CPU would flush)."""
+  scale = jnp.ldexp(jnp.float32(1.0), codes.astype(jnp.int32) - 127)
+  return (values.astype(jnp.float32) * jnp.repeat(scale, MX_BLOCK, axis=1)).astype(jnp.bfloat16)
 
 
 def dequant_block_jnp(values: jax.Array, scale: jax.Array) -> jax.Array:
