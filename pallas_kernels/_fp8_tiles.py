@@ -120,13 +120,12 @@ def _thread_rows(h: int):
   return arith.addi(row, mgpu.c(8 * h, i32))
 
 
-def _load_word(codes_ref: ir.Value, row: ir.Value) -> ir.Value:
-  """The 32-bit word at codes_ref[row, 0:4] (a [64, 4] uint8 view of SMEM, row stride static, 4-byte aligned)."""
+def _load_word(codes_ref: ir.Value, row: ir.Value, ki: ir.Value, row_bytes: int) -> ir.Value:
+  """The 32-bit word of codes at byte row * row_bytes + 4 * ki of a contiguous SMEM group (4-byte aligned)."""
   i32, i64 = _I32(), ir.IntegerType.get_signless(64)
-  strides, _ = ir.MemRefType(codes_ref.type).get_strides_and_offset()
   base = mgpu_utils.memref_ptr(codes_ref)
-  offset = arith.extui(i64, arith.muli(row, mgpu.c(strides[0], i32)))
-  ptr = mgpu_utils.getelementptr(base, [offset], ir.IntegerType.get_signless(8))
+  offset = arith.addi(arith.muli(row, mgpu.c(row_bytes, i32)), arith.muli(ki, mgpu.c(4, i32)))
+  ptr = mgpu_utils.getelementptr(base, [arith.extui(i64, offset)], ir.IntegerType.get_signless(8))
   return llvm.load(i32, ptr, alignment=4)
 
 
@@ -150,18 +149,20 @@ def _load_tile(values_ref: ir.Value) -> mgpu.FragmentedArray:
   return mgpu.FragmentedArray.load_tiled(values_ref, swizzle=128, layout=mgpu.WGMMA_LAYOUT)
 
 
-def dequant_mx_gpu(values_ref, codes_ref) -> jax.Array:
-  """values_ref: SMEM [64, 128] fp8 tile (fp8_tile_transforms); codes_ref: SMEM [64, 4] uint8 view (this step's
-  E8M0 codes) -> bf16 [64, 128] in the WGMMA layout (the wgmma A operand)."""
+def dequant_mx_gpu(values_ref, codes_ref, ki: jax.Array, row_bytes: int) -> jax.Array:
+  """values_ref: SMEM [64, 128] fp8 tile (fp8_tile_transforms); codes_ref: this warpgroup's contiguous SMEM group
+  of E8M0 codes (64 rows of ``row_bytes``: the item's K range / 32); ki: int32 step (codes 4 ki .. 4 ki + 3 of a
+  row) -> bf16 [64, 128] in the WGMMA layout (the wgmma A operand)."""
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(fp8_tile_transforms()), plgpu.RefType()),
+      arg_types=(plgpu.RefType(fp8_tile_transforms()), plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())),
       return_type=plgpu.ShapeDtypeStruct((ROWS, BLOCK_K), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )
-  def body(_, values, codes):
+  def body(_, values, codes, step):
     tile = _load_tile(values)
     i32 = _I32()
-    words = [_load_word(codes, _thread_rows(h)) for h in range(2)]
+    step_reg = step.registers.item()
+    words = [_load_word(codes, _thread_rows(h), step_reg, row_bytes) for h in range(2)]
     scales = {}
     for h in range(2):
       for j in range(_MX_PER_STEP):
@@ -174,7 +175,13 @@ def dequant_mx_gpu(values_ref, codes_ref) -> jax.Array:
       pieces.append((idx, word))
     return _assemble(pieces, (ROWS, BLOCK_K))
 
-  return body(values_ref, codes_ref)
+  return body(values_ref, codes_ref, ki)
+
+
+def codes_for_step(group: jax.Array, ki: jax.Array, row_bytes: int) -> jax.Array:
+  """uint8 [64, 4]: the E8M0 codes of step ki from a group's contiguous codes (any shape, 64 * row_bytes)."""
+  rows = group.reshape(ROWS, row_bytes)
+  return lax.dynamic_slice_in_dim(rows, ki * _MX_PER_STEP, _MX_PER_STEP, axis=1)
 
 
 def dequant_block_gpu(values_ref, scale: jax.Array) -> jax.Array:

@@ -76,14 +76,15 @@ class Fp8Tiles:
     return tiles.ROWS * self.row_tiles * _NUM_COMPUTE_WGS
 
   def smem_bytes(self, n_parts: int, k: int, fmt: str, out_itemsize: int) -> int:
-    """Shared memory of one CTA: pipeline stages, the item's scales, the epilogue staging tiles."""
-    stage = self.block_m * BLOCK_K * 2 + n_parts * self.block_n * BLOCK_K
+    """Shared memory of one CTA (allocations rounded up to 1 KiB, as Mosaic aligns them, plus barriers):
+    pipeline stages, the item's scales, the epilogue staging tiles."""
+    up = lambda b: -(-b // 1024) * 1024
+    stage = up(self.block_m * BLOCK_K * 2) + n_parts * up(self.block_n * BLOCK_K)
     kc = k // self.k_splits
     per_group = tiles.ROWS * kc // 32 if fmt == "mxfp8" else 4 * kc // 128
-    scales = _NUM_COMPUTE_WGS * n_parts * self.row_tiles * per_group
-    epilogue = _NUM_COMPUTE_WGS * self.block_m * _EPI_COLS * out_itemsize
-    interp_a = 0  # the interpreter's A staging is not a GPU allocation
-    return stage * self.max_concurrent_steps + scales + epilogue + interp_a
+    scales = up(_NUM_COMPUTE_WGS * n_parts * self.row_tiles * per_group)
+    epilogue = up(_NUM_COMPUTE_WGS * self.block_m * _EPI_COLS * out_itemsize)
+    return stage * self.max_concurrent_steps + scales + epilogue + 2048
 
 
 def _swiglu(gate, up, *, alpha: float, limit: float):
@@ -125,8 +126,11 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
   def views(w2d, ni, ks):  # n_parts [bn, kc] row tiles of a [n_parts * N, K] weight for n-tile ni, split ks
     return [w2d.at[pl.ds(p * n_out + ni * bn, bn), pl.ds(ks * kc, kc)] for p in range(n_parts)]
 
+  row_bytes = kc // tiles.MX_BLOCK  # mxfp8 codes per row and item
+  flat_codes = fmt == "mxfp8" and cfg.k_splits == 1  # s_gmem is [.., R * K/32 / 16, 16] (see kernel_scales)
   if fmt == "mxfp8":
-    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), rows, kc // tiles.MX_BLOCK), jnp.uint8)
+    group_shape = (rows * row_bytes // 16, 16) if flat_codes else (rows, row_bytes)
+    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), *group_shape), jnp.uint8)
   else:
     scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), kc // 128), jnp.float32)
   if split_out:  # fp32 partial sums stored as they sit in the accumulators: [64 features, bm tokens]
@@ -167,8 +171,10 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         """This warpgroup's block scales for the item (all its 64-row groups, the split's K range) into SMEM."""
         for g, (p, sub) in enumerate(groups):
           row0 = p * n_out + ni * bn + wg * wg_rows + sub * rows
-          if fmt == "mxfp8":
-            src = s_ref.at[pl.ds(row0, rows), pl.ds(ks * (kc // tiles.MX_BLOCK), kc // tiles.MX_BLOCK)]
+          if flat_codes:  # the group's 64 rows of codes are contiguous: 64 * K/32 bytes
+            src = s_ref.at[pl.ds(lax.div(row0, rows) * (rows * row_bytes // 16), rows * row_bytes // 16), :]
+          elif fmt == "mxfp8":
+            src = s_ref.at[pl.ds(row0, rows), pl.ds(ks * row_bytes, row_bytes)]
           else:
             src = s_ref.at[lax.div(row0, 128), pl.ds(ks * (kc // 128), kc // 128)]
           # In bounds by construction; the promise lets a contiguous range go as one bulk copy (no TMA box).
@@ -216,20 +222,21 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         for g, (p, sub) in enumerate(groups):
           acc = acc_refs[g]
           w_tile = w_smems[p].at[pl.ds(wg * wg_rows + sub * rows, rows)]
-          if fmt == "mxfp8":
-            codes = scale_smem.at[wg, g, :, pl.ds(ki * tiles._MX_PER_STEP, tiles._MX_PER_STEP)]
-          else:
+          if fmt != "mxfp8":
             scale = scale_smem[wg, g, ki]
           if interpret:
             if fmt == "mxfp8":
-              a = tiles.dequant_mx_jnp(w_tile[...], codes[...])
+              a = tiles.dequant_mx_jnp(w_tile[...], tiles.codes_for_step(scale_smem[wg, g], ki, row_bytes))
             else:
               a = tiles.dequant_block_jnp(w_tile[...], scale)
             a_smem[wg] = a
             plgpu.commit_smem()
             plgpu.wgmma(acc, a_smem.at[wg], b)
           else:
-            a = tiles.dequant_mx_gpu(w_tile, codes) if fmt == "mxfp8" else tiles.dequant_block_gpu(w_tile, scale)
+            if fmt == "mxfp8":
+              a = tiles.dequant_mx_gpu(w_tile, scale_smem.at[wg, g], ki, row_bytes)
+            else:
+              a = tiles.dequant_block_gpu(w_tile, scale)
             plgpu.wgmma(acc, a, b)
         plgpu.wgmma_wait(0)
         return acc_refs
@@ -247,10 +254,20 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def kernel_scales(w: QuantizedWeight) -> jax.Array:
-  """The scales as the kernel reads them: mxfp8 codes unchanged (uint8 [..., R, K/32]); fp8_block as fp32
-  [..., R/128, K/128] (an E8M0 block grid converted: 1/16384 of the values' size)."""
+def _interpret_mode_forced() -> bool:
+  """Whether ``plgpu.force_gpu_interpret_mode`` / ``set_gpu_interpret_mode`` is in effect."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+
+
+def kernel_scales(w: QuantizedWeight, k_splits: int = 1) -> jax.Array:
+  """The scales as the kernel reads them. mxfp8: the codes' bytes unchanged, viewed as [..., R * K/32 / 16, 16]
+  when K is not split (a free reshape: every 16-byte row stride lets one copy take a 64-row group, whatever K/32
+  is), else [..., R, K/32]. fp8_block: fp32 [..., R/128, K/128] (an E8M0 block grid converted: 1/16384 of the
+  values' size)."""
   if w.fmt == "mxfp8":
+    if k_splits == 1:
+      return w.scales.reshape(*w.scales.shape[:-2], w.scales.shape[-2] * w.scales.shape[-1] // 16, 16)
     return w.scales
   if w.scales.dtype == jnp.uint8:
     from pallas_kernels.quant import scales_to_float  # pylint: disable=g-import-not-at-top
@@ -337,10 +354,11 @@ def grouped_matmul_fp8(
   m_pad = (meta.shape[0] - 1) * cfg.block_m if broadcast_lhs else lhs.shape[0]
   n = w.shape[1] // n_parts
   out_shape = (cfg.k_splits, n, m_pad) if cfg.k_splits > 1 else (m_pad, n)
-  operands = [meta, lhs, w.values, kernel_scales(w)]
+  operands = [meta, lhs, w.values, kernel_scales(w, cfg.k_splits)]
   if w_shared is not None:
-    operands += [w_shared.values, kernel_scales(w_shared)]
-  interp = bool(interpret)
+    operands += [w_shared.values, kernel_scales(w_shared, cfg.k_splits)]
+  # The kernel body differs in the interpreter (no inline_mgpu); also when forced by force_gpu_interpret_mode.
+  interp = bool(interpret) or _interpret_mode_forced()
   kernel = plgpu.kernel(
       functools.partial(_kernel, n_parts=n_parts, epilogue=epilogue, alpha=alpha, limit=limit, cfg=cfg,
                         broadcast_lhs=broadcast_lhs, fmt=w.fmt, has_shared=w_shared is not None,
