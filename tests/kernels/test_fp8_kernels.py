@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 import kernel_modes
-from m3jax.checkpoint.quantized import quantize_fp8_block, quantize_mxfp8
 from pallas_kernels import _fp8_tiles
 from pallas_kernels.linear import heuristic_linear_tiles, quantized_matmul
 from pallas_kernels.moe import moe_block, moe_block_reference, route_reference, routed_experts, routed_experts_reference
@@ -30,11 +29,25 @@ _KW = dict(routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
 _BLOCK = {"mxfp8": (1, 32), "fp8_block": (128, 128)}
 
 
+def _quantize_2d(w: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+  """fp32 [out, in] (in % 32 == 0; fp8_block: both % 128) -> (e4m3 values, scales), round to nearest: mxfp8
+  codes 2^ceil(log2(amax / 448)) per 32 inputs, fp8_block fp32 amax / 448 per 128 x 128 block (the checkpoint
+  quantizers' rules, restated here so the kernel tests import no model code)."""
+  out, inp = w.shape
+  if fmt == "mxfp8":
+    amax = np.abs(w.reshape(out, inp // 32, 32)).max(-1)
+    exp = np.clip(np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-38) / 448.0)), 0), -127, 127)
+    q = w / np.repeat(np.ldexp(1.0, exp.astype(np.int32)), 32, axis=1)
+    return q.astype(ml_dtypes.float8_e4m3fn), (exp + 127).astype(np.uint8)
+  amax = np.abs(w.reshape(out // 128, 128, inp // 128, 128)).max(axis=(1, 3))
+  scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+  return (w / np.repeat(np.repeat(scale, 128, 0), 128, 1)).astype(ml_dtypes.float8_e4m3fn), scale
+
+
 def _quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
-  """fp32 [..., out, in] -> QuantizedWeight (the checkpoint quantizers, per 2D slice)."""
+  """fp32 [..., out, in] -> QuantizedWeight, per 2D slice."""
   flat = w.reshape(-1, *w.shape[-2:]).astype(np.float32)
-  fn = quantize_mxfp8 if fmt == "mxfp8" else quantize_fp8_block
-  vals, scales = zip(*(fn(m) for m in flat))
+  vals, scales = zip(*(_quantize_2d(m, fmt) for m in flat))
   lead = w.shape[:-2]
   return QuantizedWeight(jnp.asarray(np.stack(vals).reshape(*lead, *vals[0].shape)),
                          jnp.asarray(np.stack(scales).reshape(*lead, *scales[0].shape)), fmt, _BLOCK[fmt])
