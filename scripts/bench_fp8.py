@@ -20,6 +20,7 @@ the device (no host quantization of 7 GB).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -111,7 +112,31 @@ def bench_moe_decode(t, q, b, args) -> dict:
   r["speedup"] = r["bf16_ms"] / r["fp8_ms"]
   if args.cupti:
     r["fp8_cupti_us"], r["bf16_cupti_us"] = cupti_us(f8, *aq), cupti_us(bf, *ab)
+  if args.variants:
+    variant_rows(r, aq, t, fp8_total, args, reps=args.reps * 3, unit="TBps")
   return r
+
+
+def variant_rows(r, aq, t, amount, args, *, reps, unit):
+  """--variants: other (gate_up, down) tiles of the fp8 block, timed in the same process."""
+  from pallas_kernels.moe.kernel_sm90_fp8 import Fp8Tiles  # pylint: disable=g-import-not-at-top
+  gu, dn = heuristic_fp8_tiles(t, H, I, "mxfp8")
+  alts = {
+      "stages-2": (dataclasses.replace(gu, max_concurrent_steps=max(2, gu.max_concurrent_steps - 2)),
+                   dataclasses.replace(dn, max_concurrent_steps=max(2, dn.max_concurrent_steps - 2))),
+      "down-128": (gu, dataclasses.replace(dn, row_tiles=1)),
+  }
+  if t > 64:
+    alts["bm64"] = (Fp8Tiles(block_m=64, max_concurrent_steps=3), Fp8Tiles(block_m=64, max_concurrent_steps=4,
+                                                                           row_tiles=2))
+  for tag, tiles in alts.items():
+    try:
+      f = jax.jit(functools.partial(moe_block, **KW, block_sizes=tiles))
+      ms = 1e3 * timeit(f, *aq, reps=reps)
+      r[f"variant {tag} ms"] = ms
+      r[f"variant {tag} {unit}"] = amount / (ms * 1e-3) / 1e12
+    except Exception as e:  # noqa: BLE001
+      r[f"variant {tag}"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def bench_moe_prefill(t, q, b, args) -> dict:
@@ -128,6 +153,8 @@ def bench_moe_prefill(t, q, b, args) -> dict:
   r["bf16_TFLOPs"] = flops / (r["bf16_ms"] * 1e-3) / 1e12
   if args.cupti:
     r["fp8_cupti_us"], r["bf16_cupti_us"] = cupti_us(f8, *aq), cupti_us(bf, *ab)
+  if args.variants:
+    variant_rows(r, aq, t, flops, args, reps=args.reps, unit="TFLOPs")
   return r
 
 
@@ -190,6 +217,7 @@ def main():
   p.add_argument("--dense-tokens", default="1,8,64")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--cupti", action="store_true")
+  p.add_argument("--variants", action="store_true", help="MoE rows also time other fp8 tiles")
   p.add_argument("--out", default=None)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, the GPU interpreter")
   args = p.parse_args()
@@ -239,6 +267,9 @@ def run(args):
     print(r, f"{time.time() - t0:.0f}s", flush=True)
     dump()
   print(summarize(res))
+  for r in res["moe_decode"] + res["moe_prefill"]:
+    print(f"  T={r['T']}", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                           if k.startswith("variant") or "cupti" in k})
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ _DECODE = None
 _GROUPED = (Fp8Tiles(block_m=16, max_concurrent_steps=2), Fp8Tiles(block_m=16, max_concurrent_steps=2, row_tiles=2))
 CASES = [
     ("decode_1_token", 1, 256, 128, 8, 128, "mxfp8", None, 2, _DECODE),
-    ("decode_5_tokens_wide_shared", 5, 256, 128, 8, 256, "mxfp8", None, 2, _DECODE),
+    ("decode_5_tokens_wide_shared", 5, 256, 128, 4, 256, "mxfp8", None, 2, _DECODE),
     ("grouped_37_tokens", 37, 256, 128, 4, 128, "mxfp8", None, 2, _GROUPED),
     ("bf16_shared_expert", 3, 256, 128, 4, 128, "mxfp8", "bf16", 2, _DECODE),
     ("fp8_block_decode", 3, 512, 512, 4, 512, "fp8_block", None, 2, _DECODE),
