@@ -37,7 +37,7 @@ from jax._src.lib.mlir.dialects import arith, llvm
 ROWS = 64  # weight rows per warpgroup (the wgmma M)
 BLOCK_K = 128  # K per pipeline step: one 128-byte swizzle row of fp8
 MX_BLOCK = 32
-_MX_PER_STEP = BLOCK_K // MX_BLOCK  # E8M0 codes per row and step: one 32-bit word
+MX_PER_STEP = BLOCK_K // MX_BLOCK  # E8M0 codes per row and step: one 32-bit word
 
 
 def fp8_tile_transforms() -> tuple:
@@ -165,7 +165,7 @@ def dequant_mx_gpu(values_ref, codes_ref, ki: jax.Array, row_bytes: int) -> jax.
     words = [_load_word(codes, _thread_rows(h), step_reg, row_bytes) for h in range(2)]
     scales = {}
     for h in range(2):
-      for j in range(_MX_PER_STEP):
+      for j in range(MX_PER_STEP):
         sel = 0x4040 | (j << 8) | j
         scales[h, j] = mgpu_utils.inline_ptx(_MX_SCALE_PTX.format(sel=hex(sel)), words[h], result_types=i32)
     pieces = []
@@ -181,7 +181,7 @@ def dequant_mx_gpu(values_ref, codes_ref, ki: jax.Array, row_bytes: int) -> jax.
 def codes_for_step(group: jax.Array, ki: jax.Array, row_bytes: int) -> jax.Array:
   """uint8 [64, 4]: the E8M0 codes of step ki from a group's contiguous codes (any shape, 64 * row_bytes)."""
   rows = group.reshape(ROWS, row_bytes)
-  return lax.dynamic_slice_in_dim(rows, ki * _MX_PER_STEP, _MX_PER_STEP, axis=1)
+  return lax.dynamic_slice_in_dim(rows, ki * MX_PER_STEP, MX_PER_STEP, axis=1)
 
 
 def dequant_block_gpu(values_ref, scale: jax.Array) -> jax.Array:
