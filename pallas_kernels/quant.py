@@ -229,3 +229,16 @@ def quantize(w: jax.Array, fmt: str, block: tuple[int, int] | None = None, scale
     step = scales = jnp.where(amax > 0, amax / 448.0, 1.0).astype(jnp.float32)
   full = jnp.repeat(jnp.repeat(step, bo, axis=-2)[..., :out, :], bi, axis=-1)[..., :inp]
   return QuantizedWeight((w / full).astype(VALUE_DTYPE), scales, fmt, block)
+
+
+# E8M0 codes the fp8 kernels dequantize exactly (pallas_kernels._fp8_tiles: a bf16 2^(s - 7) multiplier).
+KERNEL_MAX_E8M0 = 134
+
+
+def kernel_scale_range_ok(w: QuantizedWeight) -> jax.Array:
+  """bool scalar: whether the fp8 kernels take ``w`` exactly. mxfp8 codes must be <= 134 (block scales <= 2^7,
+  i.e. weights within +-57344; real checkpoints sit near 2^-10); fp8_block always qualifies. A loader checks a
+  weight once; the kernels do not re-check per call (it would read every scale)."""
+  if w.fmt != "mxfp8":
+    return jnp.array(True)
+  return jnp.max(w.scales) <= KERNEL_MAX_E8M0

@@ -454,3 +454,18 @@ def test_bench_engine_gap_is_the_logprob_difference_at_the_first_difference():
   at = len(prompt) + 2
   assert bench._gap(model, prompt, a, b, 2) == pytest.approx(abs(scored[0, at] - scored[1, at]), abs=1e-5)
   assert bench._gap(model, prompt, a, b, 2) > 0
+
+
+@pytest.mark.slow
+def test_bench_fp8_tiny(tmp_path):
+  """scripts/bench_fp8.py (issue #47's fp8 rows) end to end: the fp8 MoE block and dense projection beside the
+  bf16 kernels on the same dequantized weights, which must agree."""
+  out = tmp_path / "fp8.json"
+  run_script("scripts/bench_fp8.py", "--tiny", "--decode", "1", "--prefill", "80", "--dense", "q", "--dense-tokens",
+             "1", "--reps", "1", "--out", str(out))
+  r = json.loads(out.read_text())
+  rows = [*r["moe_decode"], *r["moe_prefill"]]
+  assert len(rows) == 2 and len(r["dense"]) == 1
+  for row in rows:
+    assert row["rel_err_fp8_vs_bf16"] < 1e-2 and isinstance(row["fp8_ms"], float) and isinstance(row["bf16_ms"], float)
+  assert r["moe_decode"][0]["touched"] >= 1 and r["dense"][0]["rel_err"] < 1e-2

@@ -1,8 +1,9 @@
-"""Dense projections of block-scaled fp8 weights (``pallas_kernels.quant.QuantizedWeight``).
+"""Dense linear projections with block-scaled fp8 weights (``pallas_kernels.quant.QuantizedWeight``): ``x @ W^T``.
 
-``reference.quantized_matmul_reference(x [T, in], w [out, in]) -> [T, out]`` is the specification; the Mosaic GPU
-kernel ``quantized_matmul`` (same signature) lands with the fp8 kernels (#47).
+``reference.quantized_matmul_reference(x [T, in], w [out, in]) -> [T, out]`` is the specification; ``quantized_matmul``
+(same signature plus ``interpret`` / tiles) is the Mosaic GPU W8A16 kernel.
 """
+from pallas_kernels.linear.api import heuristic_linear_tiles, quantized_matmul
 from pallas_kernels.linear.reference import quantized_matmul_reference
 
-__all__ = ["quantized_matmul_reference"]
+__all__ = ["heuristic_linear_tiles", "quantized_matmul", "quantized_matmul_reference"]

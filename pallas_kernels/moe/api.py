@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._fp32_split import split3_lhs, split3_rhs
+from pallas_kernels.moe import fp8
 from pallas_kernels.moe.config import SMEM_LIMIT_BYTES, MoeBlockSizes, heuristic_block_sizes
 from pallas_kernels.moe.dispatch import Dispatch, build_broadcast_dispatch, build_dispatch
 from pallas_kernels.moe.kernel_sm90 import grouped_matmul
@@ -39,9 +40,11 @@ def _check_activation_dtype(op: str, dtype) -> None:
 
 
 def _reject_quantized(op: str, *weights) -> None:
-  """NotImplementedError for fp8 QuantizedWeights (the fp8 kernels come with #47; run_op then takes the reference)."""
+  """NotImplementedError for fp8 QuantizedWeights where this bf16 / fp32 path was reached with them (mixed
+  quantized / float operands, or prepared operands, which only bf16 / fp32 weights have); run_op then takes the
+  reference."""
   if any(isinstance(w, QuantizedWeight) for w in weights):
-    raise NotImplementedError(f"{op}: no kernel for quantized (fp8) weights yet")
+    raise NotImplementedError(f"{op}: this bf16 / fp32 path does not take quantized (fp8) weights")
 
 
 def _check_dtypes(op: str, x: jax.Array, **weights: jax.Array) -> None:
@@ -268,8 +271,16 @@ def routed_experts(
 
   Returns:
     fp32 [T, H], unscaled by routed_scaling_factor.
+
+  Quantized experts (``QuantizedWeight`` w_gate_up [E_local, 2I, H], w_down [E_local, H, I]) run the fp8 W8A16
+  kernels (``pallas_kernels.moe.fp8``; bf16 activations; ``block_sizes`` then takes ``Fp8Tiles`` and
+  ``prepared`` does not apply).
   """
-  _reject_quantized("routed_experts", w_gate_up, w_down)
+  if fp8.is_quantized(w_gate_up, w_down):
+    if prepared is not None:
+      raise ValueError("prepared operands are for bf16 / fp32 weights, not QuantizedWeight")
+    return fp8.routed_experts_fp8(x, weights, expert_ids, w_gate_up, w_down, first_expert, alpha=alpha, limit=limit,
+                                  interpret=interpret, tiles=block_sizes, num_sms=num_sms)
   if x.ndim != 2:
     raise ValueError(f"x must be [T, H], got {x.shape}")
   t, h = x.shape
@@ -334,7 +345,21 @@ def moe_block(
   Raises:
     ValueError: inconsistent shapes or block sizes. NotImplementedError: unsupported dtype or
     a shape that does not tile (H % block_k, I % block_n, H % block_n of the down GEMM).
+
+  Quantized routed experts (``QuantizedWeight`` w_gate_up [E, 2I, H], w_down [E, H, I], checkpoint orientation;
+  the shared expert [2Is, H] / [H, Is] quantized, or bf16 arrays in the layout above) run the fp8 W8A16 kernels
+  (``pallas_kernels.moe.fp8``): bf16 activations only (others raise NotImplementedError), ``block_sizes`` then
+  takes a pair of ``Fp8Tiles``, and ``prepared`` does not apply.
   """
+  if fp8.is_quantized(w_gate_up, w_down):
+    if prepared is not None:
+      raise ValueError("prepared operands are for bf16 / fp32 weights, not QuantizedWeight")
+    return fp8.moe_block_fp8(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down,
+                             top_k=top_k, routed_scaling_factor=routed_scaling_factor, swiglu_alpha=swiglu_alpha,
+                             swiglu_limit=swiglu_limit, interpret=interpret, tiles=block_sizes, num_sms=num_sms,
+                             fuse_shared=fuse_shared)
+  if fp8.is_quantized(shared_gate_up, shared_down):
+    raise NotImplementedError("a quantized shared expert beside bf16 / fp32 routed experts runs the reference")
   _check_inputs(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down, top_k)
   t, h = x.shape
   e = router_w.shape[1]

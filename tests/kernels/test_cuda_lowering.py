@@ -180,3 +180,53 @@ def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
   assert steps["decode"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["decode"]
   assert steps["prefill"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["prefill"]
   # The same on the 8-device meshes, kernels inside shard_map: tests/test_sharding.py (cuda_lowering worker).
+
+
+# fp8 (QuantizedWeight) kernels: MXFP8 (the release format) and FP8-block weights in the checkpoint orientation.
+def _quantized_spec(shape, fmt: str = "mxfp8"):
+  from pallas_kernels.quant import QuantizedWeight  # pylint: disable=g-import-not-at-top
+  values = _spec(shape, jnp.float8_e4m3fn)
+  if fmt == "mxfp8":
+    return QuantizedWeight(values, _spec((*shape[:-1], shape[-1] // 32), jnp.uint8), "mxfp8", (1, 32))
+  grid = (*shape[:-2], shape[-2] // 128, shape[-1] // 128)
+  return QuantizedWeight(values, _spec(grid, jnp.float32), "fp8_block", (128, 128))
+
+
+_FP8_CASES = [pytest.param(FULL, "mxfp8", id="full-mxfp8"), pytest.param(TP8, "mxfp8", id="tp8-mxfp8"),
+              pytest.param(FULL, "fp8_block", id="full-fp8_block")]
+
+
+@pytest.mark.parametrize("dims,fmt", _FP8_CASES)
+@pytest.mark.parametrize("tokens", [4, 64, 300], ids=["decode4", "decode64", "prefill300"])
+def test_fp8_moe_block_lowers(dims: Dims, fmt: str, tokens: int):
+  i = dims.expert_width
+  args = (_spec((tokens, HIDDEN)), _spec((HIDDEN, EXPERTS), jnp.float32), _spec((EXPERTS,), jnp.float32),
+          _quantized_spec((EXPERTS, 2 * i, HIDDEN), fmt), _quantized_spec((EXPERTS, HIDDEN, i), fmt),
+          _quantized_spec((2 * i, HIDDEN), fmt), _quantized_spec((HIDDEN, i), fmt))
+  text = _lower_for_cuda(lambda *a: moe_block(*a, top_k=TOP_K, routed_scaling_factor=2.5, swiglu_alpha=1.702,
+                                              swiglu_limit=7.0, num_sms=132), *args)
+  assert f"moe_grouped_fp8_{fmt}_swiglu" in text and f"moe_grouped_fp8_{fmt}_none" in text
+
+
+@pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
+def test_fp8_expert_parallel_routed_experts_lower(tokens: int):
+  """One device of an 8-way expert-parallel mesh with MXFP8 experts: 16 whole experts."""
+  i, local = FULL.expert_width, EXPERTS // 8
+  args = (_spec((tokens, HIDDEN)), _spec((tokens, TOP_K), jnp.float32), _spec((tokens, TOP_K), jnp.int32),
+          _quantized_spec((local, 2 * i, HIDDEN)), _quantized_spec((local, HIDDEN, i)), _spec((), jnp.int32))
+  text = _lower_for_cuda(lambda *a: routed_experts(*a, alpha=1.702, limit=7.0, num_sms=132), *args)
+  assert "moe_grouped_fp8_mxfp8_swiglu" in text
+
+
+# M3's dense projections [out, in]: attention q / k (= v) / o, the dense MLP's gate_up and down.
+_PROJECTIONS = {"q": (8192, HIDDEN), "k": (512, HIDDEN), "o": (HIDDEN, 8192), "mlp_gate_up": (24576, HIDDEN),
+                "mlp_down": (HIDDEN, 12288)}
+
+
+@pytest.mark.parametrize("proj", list(_PROJECTIONS))
+@pytest.mark.parametrize("tokens", [1, 64, 300], ids=["decode1", "decode64", "prefill300"])
+def test_quantized_matmul_lowers(proj: str, tokens: int):
+  from pallas_kernels.linear import quantized_matmul  # pylint: disable=g-import-not-at-top
+  out_f, in_f = _PROJECTIONS[proj]
+  _assert_mosaic(_lower_for_cuda(lambda x, w: quantized_matmul(x, w, num_sms=132), _spec((tokens, in_f)),
+                                 _quantized_spec((out_f, in_f))))
