@@ -11,6 +11,7 @@ from m3jax import logical_axes as ax
 from m3jax.cache import LayerCache
 from m3jax.config import TextConfig
 from m3jax.layers.norms import RMSNorm
+from m3jax.layers.fused_quantized import FusedQuantizedWeights, fuse_quantized, project_fused_quantized
 from m3jax.layers.params import make_param
 from m3jax.layers.quantized import is_quantized, linear
 from m3jax.layers.rope import apply_partial_rope
@@ -84,22 +85,29 @@ class Attention(nnx.Module):
       weights, axes = weights + index_weights, axes + index_axes
     return weights, axes
 
+  def _projection_params(self) -> list:
+    """The q, k, v (and index q, k) parameters or ``QuantizedLinear`` modules, in projection order."""
+    index = [] if self.indexer is None else [self.indexer.q_proj, self.indexer.k_proj]
+    return [self.q_proj, self.k_proj, self.v_proj, *index]
+
   def _quantized_projections(self) -> bool:
-    """Whether any input projection is kept in fp8 (the layer then projects with each weight on its own)."""
-    index = () if self.indexer is None else (self.indexer.q_proj, self.indexer.k_proj)
-    return is_quantized(self.q_proj, self.k_proj, self.v_proj, *index)
+    """Whether any input projection is kept in fp8 (the layer then projects with each weight on its own, or
+    with ``fused_weights()`` in a decode loop)."""
+    return is_quantized(*self._projection_params())
 
   def _project_each(self, x: jax.Array) -> list[jax.Array]:
     """q [B,S,Nq,D], k, v [B,S,Nkv,D] (and index q, k) with one projection per weight."""
     out = [linear(x, w, "bsh,hnd->bsnd", kernels=self.kernels) for w in (self.q_proj, self.k_proj, self.v_proj)]
     return out + ([] if self.indexer is None else self.indexer.project_each(x, self.kernels))
 
-  def fused_weights(self) -> FusedWeights | None:
-    """This layer's projection weights as one fused weight (``m3jax.parallel.projection``), to build once
-    before a decode loop and pass as ``projection`` on every step; None where the plan splits the hidden
-    axis, or where the weights are kept in fp8 (the layer then projects with each weight on its own)."""
+  def fused_weights(self) -> FusedWeights | FusedQuantizedWeights | None:
+    """This layer's projection weights as one fused weight, to build once before a decode loop and pass as
+    ``projection`` on every step: bf16 / fp32 weights concatenated (``m3jax.parallel.projection``), fp8 ones
+    stacked with their scales (``m3jax.layers.fused_quantized``). None where the plan splits the hidden axis,
+    or for fp8 weights that do not fuse (mixed with float ones, or under a multi-device plan): the layer then
+    projects with each weight on its own."""
     if self._quantized_projections():
-      return None
+      return fuse_quantized(self._projection_params())
     return fuse_weights(*self._projection_weights())
 
   def __call__(
@@ -111,11 +119,14 @@ class Attention(nnx.Module):
     Without a cache the keys are this call's tokens, so positions must be 0..S-1 in every row. With a
     cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
     ``record`` holds what ``collect`` asks for (m3jax.research); empty by default. ``projection``: this
-    layer's ``fused_weights()``, built once outside a decode loop; without it they are fused here.
+    layer's ``fused_weights()``, built once outside a decode loop; without it bf16 / fp32 weights are fused here
+    and fp8 ones project one by one (a prefill is compute-bound: a per-call copy of the fp8 weights would not pay).
     """
     # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
     x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
-    if projection is None and self._quantized_projections():
+    if isinstance(projection, FusedQuantizedWeights):
+      q, k, v, *index = project_fused_quantized(x, projection, kernels=self.kernels)
+    elif projection is None and self._quantized_projections():
       q, k, v, *index = self._project_each(x)
     elif projection is None:
       q, k, v, *index = fused_projection(x, *self._projection_weights())

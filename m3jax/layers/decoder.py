@@ -12,6 +12,7 @@ from m3jax import logical_axes as ax
 from m3jax.cache import LayerCache
 from m3jax.config import TextConfig
 from m3jax.layers.attention import Attention
+from m3jax.layers.fused_quantized import FusedQuantizedWeights
 from m3jax.layers.mlp import DenseMLP, MoE
 from m3jax.layers.norms import RMSNorm
 from m3jax.ops import moe as moe_ops
@@ -29,11 +30,12 @@ class DecodeWeights:
   """One layer's weights prepared once before a decode loop and passed to every step, so that the loop does not
   rebuild them per step (XLA:GPU hoists neither out of an on-device loop; BENCHMARKS.md).
 
-  projection: the attention's q / k / v (/ index) weights fused (``Attention.fused_weights``), or None.
+  projection: the attention's q / k / v (/ index) weights fused (``Attention.fused_weights``: bf16 / fp32
+    ``FusedWeights`` or fp8 ``FusedQuantizedWeights``), or None.
   experts: the MoE kernels' operands (``MoE.prepared_experts``: fp32 weights' bf16 split), or None.
   """
 
-  projection: FusedWeights | None = None
+  projection: FusedWeights | FusedQuantizedWeights | None = None
   experts: moe_ops.ExpertOperands | None = None
 
 
@@ -54,7 +56,7 @@ class DecoderLayer(nnx.Module):
       self.mlp = MoE(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
     else:
       self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size, alpha=cfg.swiglu_alpha,
-                          limit=cfg.swiglu_limit, dtype=dtype, rngs=rngs)
+                          limit=cfg.swiglu_limit, dtype=dtype, rngs=rngs, kernels=kernels)
 
   def decode_weights(self) -> DecodeWeights:
     """This layer's ``DecodeWeights``, to build once before a decode loop (inside the same jit)."""

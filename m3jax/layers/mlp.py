@@ -12,25 +12,33 @@ from m3jax.layers.params import make_param
 from m3jax.layers.quantized import weight_of
 from m3jax.ops import moe as moe_ops
 from m3jax.ops.dispatch import KernelChoice
+from m3jax.ops.linear import quantized_mlp
 from pallas_kernels.moe.reference import gated_mlp, route_reference
+from pallas_kernels.quant import QuantizedWeight
 
 
 class DenseMLP(nnx.Module):
   """x -> down(swiglu_oai(x @ gate_up)); gate_up [H, 2F] holds the gate columns first, then up.
 
-  Either weight may be kept in fp8 (``m3jax.layers.quantized``; the MLP then runs the reference on the
-  dequantized weight, whose fp32 gate_up output feeds SwiGLU as in the bf16 path)."""
+  Either weight may be kept in fp8 (``m3jax.layers.quantized``). Both in fp8: ``m3jax.ops.linear.quantized_mlp``
+  (the fp8 kernels with ``kernels``; the fp32 gate_up output feeds SwiGLU as in the bf16 path). One of them: the
+  reference on the dequantized weight. (As the MoE block's shared expert, only the weights are used.)"""
 
   def __init__(self, hidden: int, width: int, *, alpha: float, limit: float, dtype: jnp.dtype,
-               rngs: nnx.Rngs | None):
+               rngs: nnx.Rngs | None, kernels: KernelChoice = "reference"):
     self.alpha, self.limit = alpha, limit
+    self.kernels = kernels
     self.gate_up = make_param(rngs, (hidden, 2 * width), dtype, (ax.EMBED, ax.MLP))
     self.down = make_param(rngs, (width, hidden), dtype, (ax.MLP, ax.EMBED))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., H] -> [..., H]."""
     flat = x.reshape(-1, x.shape[-1])
-    y = gated_mlp(flat, weight_of(self.gate_up), weight_of(self.down), alpha=self.alpha, limit=self.limit)
+    gate_up, down = weight_of(self.gate_up), weight_of(self.down)
+    if isinstance(gate_up, QuantizedWeight) and isinstance(down, QuantizedWeight):
+      y = quantized_mlp(flat, gate_up, down, alpha=self.alpha, limit=self.limit, kernels=self.kernels)
+    else:
+      y = gated_mlp(flat, gate_up, down, alpha=self.alpha, limit=self.limit)
     return y.reshape(x.shape)
 
 
@@ -49,7 +57,7 @@ class MoE(nnx.Module):
     self.w_gate_up = make_param(rngs, (e, h, 2 * i), dtype, (ax.EXPERTS, ax.EMBED, ax.EXPERT_MLP))
     self.w_down = make_param(rngs, (e, i, h), dtype, (ax.EXPERTS, ax.EXPERT_MLP, ax.EMBED))
     self.shared = DenseMLP(h, cfg.shared_intermediate_size, alpha=self.alpha, limit=self.limit, dtype=dtype,
-                           rngs=rngs)
+                           rngs=rngs, kernels=kernels)
 
   def __call__(self, x: jax.Array, prepared: moe_ops.ExpertOperands | None = None) -> jax.Array:
     """x [B, S, H] -> [B, S, H]. ``prepared``: ``prepared_experts()`` built once outside a decode loop."""

@@ -110,16 +110,23 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # under 'attn' (and its 'indexer'
 @functools.lru_cache(maxsize=4)
 def _abstract_params(config: Any, dtype: Any, with_mtp: bool = False, quantized: tuple = ()
                      ) -> tuple[tuple[str, tuple[int, ...], Any, tuple[Any, ...], bool, bool, bool], ...]:
-  """(component, shape, dtype, logical names, is a fused input projection, is a float routed-expert weight, is
-  fp8 scales) of every parameter the loader would build (``quantized``: (path, QuantSpec) pairs kept in fp8)."""
+  """(component, shape, dtype, logical names, fused input projection (0: no, 1: float, 2: fp8 values / scales), is
+  a float routed-expert weight, is fp8 scales) of every parameter the loader would build (``quantized``: (path, QuantSpec) pairs kept in fp8)."""
   from m3jax.checkpoint.loader import abstract_model  # pylint: disable=g-import-not-at-top
   from m3jax.checkpoint.mapping import EXPERT_PARAMS  # pylint: disable=g-import-not-at-top
   from m3jax.sharding import is_scales  # pylint: disable=g-import-not-at-top
 
   _, flat = abstract_model(config, dtype, with_mtp=with_mtp, quantized=dict(quantized) or None)
+  def projection(path) -> int:  # 1: a float input projection; 2: an fp8 one's values or scales
+    if "attn" not in path:
+      return 0
+    if path[-1] in _PROJECTIONS:
+      return 1
+    return 2 if len(path) > 1 and path[-2] in _PROJECTIONS and path[-1] in ("values", "scales") else 0
+
   return tuple((_component(path), tuple(var.shape), var.dtype,
                 tuple(var.get_metadata().get("out_sharding") or (None,) * len(var.shape)),
-                "attn" in path and path[-1] in _PROJECTIONS, path[-1] in EXPERT_PARAMS, is_scales(var))
+                projection(path), path[-1] in EXPERT_PARAMS, is_scales(var))
                for path, var in flat)
 
 
@@ -157,7 +164,8 @@ def plan_memory(config: Any, mesh: Mapping[str, int] | str | Any, *, batch: int,
     nbytes = math.prod(shape) * itemsize
     total += nbytes
     weights[comp] = weights.get(comp, 0.0) + nbytes / split
-    fused += nbytes / split if projection else 0.0
+    # fp8 projections are fused for decode on one device only (m3jax.layers.fused_quantized)
+    fused += nbytes / split if projection == 1 or (projection == 2 and math.prod(sizes.values()) == 1) else 0.0
     mtp_experts += nbytes / split if expert and comp == "MTP module" else 0.0
   # fp32 weights run the MoE kernels through a bf16 [hi; lo; hi] copy (3 x 2 bytes per 4-byte weight), which a
   # decode loop prepares once: the routed experts, and the shared expert where it runs in the kernels (one device).

@@ -36,16 +36,18 @@ def _fit_stages(cfg: Fp8Tiles, k: int, fmt: str, out_itemsize: int) -> Fp8Tiles:
 
 
 def heuristic_linear_tiles(num_tokens: int, out_features: int, in_features: int, fmt: str,
-                           num_sms: int = 132) -> Fp8Tiles:
-  """Tiles for x [T, in] @ W^T [in, out]. Decode: token tile T rounded up to 8, and the (row tiles, K splits)
-  pair that minimises the modelled time ceil(items / SMs) * block_n * (K / splits + overhead); prefill: 128-token
-  tiles, 256-feature items where they tile."""
+                           num_sms: int = 132, out_itemsize: int = 2) -> Fp8Tiles:
+  """Tiles for x [T, in] @ W^T [in, out] (an output of ``out_itemsize`` bytes a value). Decode: token tile T
+  rounded up to 8, and the (row tiles, K splits) pair that minimises the modelled time
+  ceil(items / SMs) * block_n * (K / splits + overhead); prefill: 128-token tiles, 256-feature items where they
+  tile."""
   if num_tokens > DECODE_MAX_TOKENS:  # the widest item whose whole-K scales and pipeline fit in SMEM
     for rt, bm in ((2, 128), (1, 128), (1, 64)):
       if out_features % (128 * rt):
         continue
       try:
-        return _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=4, row_tiles=rt), in_features, fmt, 2)
+        return _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=4, row_tiles=rt), in_features, fmt,
+                           out_itemsize)
       except NotImplementedError:
         continue
     raise NotImplementedError(f"an fp8 [{out_features}, {in_features}] weight does not tile for prefill")
@@ -66,7 +68,7 @@ def heuristic_linear_tiles(num_tokens: int, out_features: int, in_features: int,
   if best is None:
     raise NotImplementedError(f"an fp8 [{out_features}, {in_features}] weight does not tile (out % 128, in % 128)")
   _, rt, splits = best
-  out_itemsize = 4 if splits > 1 else 2
+  out_itemsize = 4 if splits > 1 else out_itemsize
   return _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=6, k_splits=splits, row_tiles=rt), in_features,
                      fmt, out_itemsize)
 
@@ -77,10 +79,11 @@ def _num_sms(interpret) -> int:
   return jax.extend.backend.get_default_device().core_count
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tiles", "num_sms"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles", "num_sms", "out_dtype"))
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, interpret: Any = False, tiles: Fp8Tiles | None = None,
-                     num_sms: int | None = None) -> jax.Array:
-  """x [T, in] @ dequantize(w)^T -> [T, out] in x.dtype (fp32 accumulation), on the fp8 kernel.
+                     num_sms: int | None = None, out_dtype: Any = None) -> jax.Array:
+  """x [T, in] @ dequantize(w)^T -> [T, out] in ``out_dtype`` (default x.dtype; fp32 accumulation), on the fp8
+  kernel. ``out_dtype=float32`` returns the fp32 accumulators unrounded (e.g. for an fp32 SwiGLU after it).
 
   Args:
     x: bf16 [T, in] (other dtypes raise NotImplementedError: the reference dequantizes).
@@ -99,20 +102,23 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, *, interpret: Any = False
     raise ValueError(f"x [T, in] and w [out, in] must agree on in, got x {x.shape} and w {w.shape}")
   if x.dtype != jnp.bfloat16:
     raise NotImplementedError(f"quantized_matmul runs bf16 activations on the kernel, got {x.dtype}")
+  out_dtype = jnp.dtype(out_dtype or x.dtype)
+  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+    raise ValueError(f"quantized_matmul returns bf16 or fp32, got out_dtype={out_dtype.name}")
   t = x.shape[0]
   out_features, in_features = w.shape
   if t == 0:
-    return jnp.zeros((0, out_features), x.dtype)
+    return jnp.zeros((0, out_features), out_dtype)
   interp = plgpu.InterpretGPUParams() if interpret is True else (interpret or False)
   sms = num_sms or _num_sms(interp)
-  cfg = tiles or heuristic_linear_tiles(t, out_features, in_features, w.fmt, sms)
+  cfg = tiles or heuristic_linear_tiles(t, out_features, in_features, w.fmt, sms, out_dtype.itemsize)
   bm = cfg.block_m
   m_tiles = -(-t // bm)
   meta = jnp.concatenate([jnp.array([m_tiles], jnp.int32), jnp.zeros((m_tiles,), jnp.int32)])
   lhs = jnp.pad(x, ((0, m_tiles * bm - t), (0, 0)))
   one = QuantizedWeight(w.values[None], w.scales[None], w.fmt, w.block)
-  y = grouped_matmul_fp8(meta, lhs, one, None, n_parts=1, epilogue="none", out_dtype=x.dtype, tiles_cfg=cfg,
+  y = grouped_matmul_fp8(meta, lhs, one, None, n_parts=1, epilogue="none", out_dtype=out_dtype, tiles_cfg=cfg,
                          num_sms=sms, interpret=interp)
-  if cfg.k_splits > 1:  # fp32 partial sums [k_splits, out, M_pad]
-    return jnp.sum(y, axis=0).T[:t].astype(x.dtype)
+  if cfg.k_splits > 1 or out_dtype == jnp.float32:  # fp32 (partial) sums, transposed: [k_splits, out, M_pad]
+    return jnp.sum(y, axis=0).T[:t].astype(out_dtype)
   return y[:t]

@@ -1,10 +1,13 @@
-"""Pure-jnp reference of a dense projection by a block-scaled fp8 weight."""
+"""Pure-jnp references of a dense projection by a block-scaled fp8 weight and of a dense MLP with fp8 weights."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.reference import gated_mlp
 from pallas_kernels.quant import QuantizedWeight, dequantize
 
 
@@ -21,3 +24,13 @@ def quantized_matmul_reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   y = jnp.dot(x, dequantize(w, x.dtype).T, preferred_element_type=jnp.float32, precision=precision)
   return y.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("alpha", "limit"))
+def quantized_gated_mlp_reference(x: jax.Array, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *,
+                                  alpha: float, limit: float) -> jax.Array:
+  """Dense SwiGLU-OAI MLP with fp8 weights gate_up [2F, H] / down [H, F]: x [T, H] -> [T, H] in x.dtype.
+
+  ``pallas_kernels.moe.reference.gated_mlp`` on the weights dequantized to x.dtype: fp32 gate_up product, fp32
+  SwiGLU-OAI, one rounding of the activation to x.dtype, fp32-accumulated down product."""
+  return gated_mlp(x, w_gate_up, w_down, alpha=alpha, limit=limit)

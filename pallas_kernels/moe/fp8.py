@@ -92,9 +92,16 @@ def heuristic_fp8_tiles(num_tokens: int, hidden: int, inter: int, fmt: str) -> t
     bm, stages = max(8, -(-num_tokens // 8) * 8), 6
   else:
     bm, stages = PREFILL_BLOCK_M, 4
-  down_rows = 2 if hidden % 256 == 0 else 1  # the down items: 256 output features (its K, I, is short)
   gate_up = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages), 2, hidden, fmt, 2)
-  down = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages, row_tiles=down_rows), 1, inter, fmt, 2)
+  # The down items: 256 output features where they tile (its K, I, is short for experts); 128 where the item's
+  # whole-K scales would not fit beside the pipeline (a dense MLP's long K, e.g. M3's 12288).
+  for down_rows in (2, 1) if hidden % 256 == 0 else (1,):
+    try:
+      down = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages, row_tiles=down_rows), 1, inter, fmt, 2)
+      break
+    except NotImplementedError:
+      if down_rows == 1:
+        raise
   return gate_up, down
 
 
@@ -182,6 +189,18 @@ def routed_experts_fp8(x, weights, expert_ids, w_gate_up: QuantizedWeight, w_dow
   return _combine(weights, y, d.pos, d.kept)
 
 
+def dense_mlp_fp8(x, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, gemms: Fp8Gemms) -> jax.Array:
+  """One dense SwiGLU-OAI MLP with fp8 weights, gate_up [2F, H] and down [H, F], as a one-expert grouped GEMM
+  pair (gate_up with the SwiGLU epilogue in fp32 on its accumulators, one bf16 rounding, then down):
+  x bf16 [T, H] -> bf16 [T, H]."""
+  t = x.shape[0]
+  one = lambda w: QuantizedWeight(w.values[None], w.scales[None], w.fmt, w.block)
+  bm = gemms.block_m
+  s_tiles = -(-t // bm)
+  meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])
+  return gemms(meta, jnp.pad(x, ((0, s_tiles * bm - t), (0, 0))), one(w_gate_up), one(w_down))[:t]
+
+
 def _shared_alone(x, shared_gate_up, shared_down, gemms: Fp8Gemms, *, alpha, limit, interpret, num_sms):
   """The shared expert beside the routed launches: a one-expert fp8 grouped GEMM, or the bf16 kernels when the
   shared weights are arrays -> [T, H] in x.dtype."""
@@ -194,11 +213,7 @@ def _shared_alone(x, shared_gate_up, shared_down, gemms: Fp8Gemms, *, alpha, lim
     s_tiles = -(-t // bm)
     meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])
     return bf(meta, jnp.pad(x, ((0, s_tiles * bm - t), (0, 0))), shared_gate_up[None], shared_down[None])[:t]
-  one = lambda w: QuantizedWeight(w.values[None], w.scales[None], w.fmt, w.block)
-  bm = gemms.block_m
-  s_tiles = -(-t // bm)
-  meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])
-  return gemms(meta, jnp.pad(x, ((0, s_tiles * bm - t), (0, 0))), one(shared_gate_up), one(shared_down))[:t]
+  return dense_mlp_fp8(x, shared_gate_up, shared_down, gemms)
 
 
 def moe_block_fp8(x, router_w, correction_bias, w_gate_up, w_down, shared_gate_up, shared_down, *, top_k,

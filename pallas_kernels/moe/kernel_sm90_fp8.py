@@ -16,7 +16,8 @@ Work items are (tile, 128-row n-tile, K split) triples walked by a persistent gr
 ``kernel_sm90``: live tile count, then each tile's expert; id E selects the shared expert). An item's block
 scales (the whole K range of its 2 x 64 rows) are copied into SMEM once, by a bulk copy beside the value
 pipeline. ``k_splits > 1`` (the dense decode projections: few n-tiles, long K) writes fp32 partial sums
-``[k_splits, N, M_pad]`` (transposed: as the accumulators hold them) that the caller adds.
+``[k_splits, N, M_pad]`` (transposed: as the accumulators hold them) that the caller adds; an fp32 ``out_dtype``
+without a split is stored the same way, ``[1, N, M_pad]``.
 
 gate_up: ``n_parts=2`` (gate rows ``[0, N)``, up rows ``[N, 2N)`` of each expert, as the checkpoint stores
 ``gate_up_proj``), ``epilogue="swiglu"``; down: ``n_parts=1``, ``epilogue="none"``.
@@ -110,7 +111,7 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
   n_out = w_gmem.shape[1] // n_parts  # output features per part
   n_tiles = n_out // bn
   out_dtype = out_gmem.dtype
-  split_out = cfg.k_splits > 1
+  split_out = cfg.k_splits > 1 or out_dtype == jnp.float32  # fp32 results stay as the accumulators hold them
   lhs_transforms = tiles.bf16_tile_transforms(bk)
 
   in_specs = [plgpu.BlockSpec((bm, bk), lambda ki: (0, ki), transforms=lhs_transforms)]
@@ -320,7 +321,7 @@ def grouped_matmul_fp8(
     w: QuantizedWeight [E, n_parts * N, K]; w_shared: QuantizedWeight [n_parts * N, K] (same format) or None.
     n_parts / epilogue: 2 / "swiglu" (gate rows first, then up) or 1 / "none".
     out_dtype: dtype of the [M_pad, N] result (when tiles_cfg.k_splits > 1: fp32 partial sums, transposed,
-      [k_splits, N, M_pad]).
+      [k_splits, N, M_pad]; fp32 without a split: transposed too, [1, N, M_pad]).
     interpret: False, or plgpu.InterpretGPUParams() to run on CPU.
 
   Returns:
@@ -353,7 +354,8 @@ def grouped_matmul_fp8(
     raise NotImplementedError(f"{cfg} needs {need} bytes of SMEM (> {SMEM_LIMIT_BYTES})")
   m_pad = (meta.shape[0] - 1) * cfg.block_m if broadcast_lhs else lhs.shape[0]
   n = w.shape[1] // n_parts
-  out_shape = (cfg.k_splits, n, m_pad) if cfg.k_splits > 1 else (m_pad, n)
+  transposed = cfg.k_splits > 1 or jnp.dtype(out_dtype) == jnp.float32
+  out_shape = (cfg.k_splits, n, m_pad) if transposed else (m_pad, n)
   operands = [meta, lhs, w.values, kernel_scales(w, cfg.k_splits)]
   if w_shared is not None:
     operands += [w_shared.values, kernel_scales(w_shared, cfg.k_splits)]

@@ -230,3 +230,26 @@ def test_quantized_matmul_lowers(proj: str, tokens: int):
   out_f, in_f = _PROJECTIONS[proj]
   _assert_mosaic(_lower_for_cuda(lambda x, w: quantized_matmul(x, w, num_sms=132), _spec((tokens, in_f)),
                                  _quantized_spec((out_f, in_f))))
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300], ids=["decode1", "decode64", "prefill300"])
+def test_quantized_matmul_fp32_output_lowers(tokens: int):
+  """fp32 output (the dense MLP's gate_up at decode): stored transposed as the accumulators hold it."""
+  from pallas_kernels.linear import quantized_matmul  # pylint: disable=g-import-not-at-top
+  text = _lower_for_cuda(lambda x, w: quantized_matmul(x, w, num_sms=132, out_dtype=jnp.float32),
+                         _spec((tokens, HIDDEN)), _quantized_spec((3072, HIDDEN)))
+  _assert_mosaic(text)
+
+
+@pytest.mark.parametrize("width", [12288, 1536], ids=["full", "tp8"])
+@pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
+def test_quantized_gated_mlp_lowers(width: int, tokens: int):
+  """M3's dense MLP (and one GPU's 8-way slice of it) with MXFP8 weights: split-K matmuls at decode, the
+  grouped-GEMM pair with the SwiGLU epilogue at prefill."""
+  from pallas_kernels.linear import quantized_gated_mlp  # pylint: disable=g-import-not-at-top
+  text = _lower_for_cuda(lambda x, gu, dn: quantized_gated_mlp(x, gu, dn, alpha=1.702, limit=7.0, num_sms=132),
+                         _spec((tokens, HIDDEN)), _quantized_spec((2 * width, HIDDEN)),
+                         _quantized_spec((HIDDEN, width)))
+  _assert_mosaic(text)
+  if tokens > 64:
+    assert "moe_grouped_fp8_mxfp8_swiglu" in text

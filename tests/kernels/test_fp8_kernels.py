@@ -229,6 +229,54 @@ def test_quantized_matmul_matches_reference(mode, name, t, out_f, in_f, fmt, til
   _assert_close(out, ref, in_f)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("t,tiles", [(3, None), (5, Fp8Tiles(block_m=8, max_concurrent_steps=2, k_splits=2)),
+                                     (70, None)], ids=["decode", "decode_split_k", "prefill"])
+def test_quantized_matmul_fp32_output_is_the_unrounded_product(mode, t, tiles):
+  """out_dtype=float32: the fp32 accumulators (or the fp32 sum of the split-K partials), not rounded to bf16."""
+  x, w = _linear_inputs(t, 256, 1024, "mxfp8", seed=t)
+  out = quantized_matmul(x, w, interpret=mode == "interpret", tiles=tiles, out_dtype=jnp.float32)
+  ref = jnp.dot(x.astype(jnp.float32), dequantize(w, jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+  assert out.dtype == jnp.float32 and out.shape == (t, 256)
+  # fp32 accumulation of exact bf16 x exact weight products: only the order of the additions differs.
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5 * float(jnp.abs(ref).max()))
+  bf16 = quantized_matmul(x, w, interpret=mode == "interpret", tiles=tiles)
+  np.testing.assert_array_equal(np.asarray(bf16), np.asarray(out.astype(jnp.bfloat16)))
+
+
+# (name, T, H, F): decode (split-K gate_up with fp32 output, SwiGLU in XLA, down), prefill (the grouped-GEMM pair
+# with the SwiGLU epilogue), 256-wide down items (H % 256 == 0).
+MLP_CASES = [("decode", 3, 256, 256), ("decode64", 64, 128, 128), ("prefill", 70, 256, 128)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,t,h,f", MLP_CASES, ids=[c[0] for c in MLP_CASES])
+def test_quantized_gated_mlp_matches_reference(mode, name, t, h, f):
+  from pallas_kernels.linear import quantized_gated_mlp, quantized_gated_mlp_reference  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(len(name) + t)
+  x = jnp.asarray(rng.normal(size=(t, h)), jnp.bfloat16)
+  gu = _quantize(rng.normal(size=(2 * f, h)).astype(np.float32) * 3 * h ** -0.5, "mxfp8")
+  dn = _quantize(rng.normal(size=(h, f)).astype(np.float32) * f ** -0.5, "mxfp8")
+  kw = dict(alpha=1.702, limit=7.0)
+  out = quantized_gated_mlp(x, gu, dn, **kw, interpret=mode == "interpret")
+  ref = quantized_gated_mlp_reference(x, gu, dn, **kw)
+  assert out.dtype == jnp.bfloat16 and out.shape == (t, h)
+  # Same arithmetic as the reference (fp32 gate_up and SwiGLU, one bf16 rounding of the activation): only the
+  # order of fp32 additions differs, which can move an activation across a bf16 rounding boundary.
+  _assert_close(out, ref, f)
+
+
+def test_quantized_gated_mlp_input_validation():
+  from pallas_kernels.linear import quantized_gated_mlp  # pylint: disable=g-import-not-at-top
+  x, gu = _linear_inputs(3, 256, 128, "mxfp8")
+  _, dn = _linear_inputs(3, 128, 128, "mxfp8")
+  with pytest.raises(NotImplementedError, match="bf16 activations"):
+    quantized_gated_mlp(x.astype(jnp.float32), gu, dn, alpha=1.702, limit=7.0, interpret=True)
+  with pytest.raises(ValueError, match=r"must be \[2F, H=128\] / \[H=128, F\]"):
+    quantized_gated_mlp(x, gu, QuantizedWeight(dn.values[:, :64], dn.scales[:, :2], dn.fmt, dn.block), alpha=1.702,
+                        limit=7.0, interpret=True)
+
+
 def test_linear_heuristic_splits_the_reduction_at_decode():
   # M3's k / v projection (512 x 6144) has 4 output tiles: the reduction is split so that every SM streams.
   kv = heuristic_linear_tiles(1, 512, 6144, "mxfp8", 132)
