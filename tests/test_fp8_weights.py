@@ -20,6 +20,7 @@ from m3jax.checkpoint.export import export
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.safetensors_stream import read_tensor
 from m3jax.generate import generate
+from m3jax.layers.fused_quantized import FusedQuantizedWeights
 from m3jax.layers.quantized import QuantizedLinear, quantize_all
 from pallas_kernels import quant
 from pallas_kernels.linear.reference import quantized_matmul_reference
@@ -142,10 +143,29 @@ def test_random_quantized_model_with_mtp_equals_its_dequantized_twin():
     return out.logits, mtp.logits
 
   (got, got_mtp), (want, want_mtp) = run(model, ids), run(twin, ids)
+  pos = jnp.broadcast_to(jnp.arange(24, dtype=jnp.int32), (2, 24))
   assert relative_error(got, np.asarray(want)) <= 1e-6
   assert relative_error(got_mtp, np.asarray(want_mtp)) <= 1e-6
-  # Decode weights for a loop: fp8 projections are not fused, fp8 experts need no prepared operands.
-  assert all(d.projection is None and d.experts is None for d in model.decode_weights())
+  # Decode weights for a loop: the fp8 q / k / v (/ index q / k) stacked into one fp8 weight with their scales,
+  # fp8 experts need no prepared operands.
+  prepared = model.decode_weights()
+  assert all(isinstance(d.projection, FusedQuantizedWeights) and d.experts is None for d in prepared)
+  t = cfg.text
+  sparse = cfg.text.attention_types.index("sparse")
+  fused = prepared[sparse].projection
+  assert fused.out_shapes == ((t.num_heads, t.head_dim), (t.num_kv_heads, t.head_dim), (t.num_kv_heads, t.head_dim),
+                              (t.index_num_heads, t.index_head_dim), (1, t.index_head_dim))
+  attn = model.layers[sparse].attn
+  parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.indexer.q_proj, attn.indexer.k_proj]
+  assert same_bits(fused.weight.values, np.concatenate([np.asarray(p.values[...]) for p in parts]))
+  assert same_bits(fused.weight.scales, np.concatenate([np.asarray(p.scales[...]) for p in parts]))
+
+  # A decode step with the fused projections equals one with each projection on its own.
+  forward = nnx.jit(lambda m, i, p, c, d: m.forward(i, positions=p, caches=c, decode_weights=d))
+  caches = forward(model, ids[:, :8], pos[:, :8], model.init_caches(2, 32), None).caches
+  fused_logits = forward(model, ids[:, 8:9], pos[:, 8:9], caches, prepared).logits
+  np.testing.assert_allclose(np.asarray(fused_logits), np.asarray(forward(model, ids[:, 8:9], pos[:, 8:9], caches,
+                                                                          None).logits), rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -35,6 +35,14 @@ def lowered_step_kernels(model, *, decode_batch: int, prefill_batch: int) -> dic
   abstract ``model`` lowered for CUDA; the caller makes m3jax.ops dispatch pick compiled kernels. Under the
   model's sharding plan, parameters must carry their shardings; caches get the plan's, token inputs are
   replicated."""
+  texts = lowered_step_texts(model, decode_batch=decode_batch, prefill_batch=prefill_batch)
+  return {name: lowered_kernel_kinds(text) for name, text in texts.items()}
+
+
+def lowered_step_texts(model, *, decode_batch: int, prefill_batch: int, decode_weights: bool = False
+                       ) -> dict[str, str]:
+  """The StableHLO texts of ``lowered_step_kernels``' decode step and prefill; ``decode_weights``: the decode step
+  takes the model's ``decode_weights()`` (built in the same program), as a decode loop's steps do."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -55,12 +63,15 @@ def lowered_step_kernels(model, *, decode_batch: int, prefill_batch: int) -> dic
                     for f in ("k", "v", "idx_k")})
       for c in jax.eval_shape(lambda: model.init_caches(decode_batch, 4096)))
 
-  def kinds(fn, *args) -> collections.Counter:
-    return lowered_kernel_kinds(jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text())
+  def lowered(fn, *args) -> str:
+    return jax.jit(fn).trace(state, *args).lower(lowering_platforms=("cuda",)).as_text()
+
+  def decode(st, tok, pos, c):
+    m = nnx.merge(graphdef, st)
+    return _decode(m, tok, pos, c, m.decode_weights() if decode_weights else None)
 
   return {
-      "decode": kinds(lambda st, tok, pos, c: _decode(nnx.merge(graphdef, st), tok, pos, c),
-                      spec((decode_batch,), jnp.int32), spec((decode_batch,), jnp.int32), caches),
-      "prefill": kinds(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
-                       spec((prefill_batch, 1000), jnp.int32), spec((prefill_batch,), jnp.int32)),
+      "decode": lowered(decode, spec((decode_batch,), jnp.int32), spec((decode_batch,), jnp.int32), caches),
+      "prefill": lowered(lambda st, ids, lengths: _prefill(nnx.merge(graphdef, st), ids, lengths, 2048),
+                         spec((prefill_batch, 1000), jnp.int32), spec((prefill_batch,), jnp.int32)),
   }
