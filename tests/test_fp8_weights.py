@@ -309,6 +309,11 @@ def test_inspect_plans_fp8_bytes_per_device(capsys):
   assert kept.weights["routed experts"] == (experts + scales) // 8  # whole experts, 8-way
   assert plain.weights["routed experts"] == 4 * experts // 8
   assert kept.decode_workspace == 0 < plain.decode_workspace  # no fused projections, no fp32 split for fp8
+  # On one device the fp8 q / k / v (/ index q / k) are fused for decode: their values and scales once more.
+  one = plan_memory(cfg, "data=1", batch=1, context=512, dtype=jnp.float32, quantized=fp8_specs(ckpt))
+  rows = sum(t.num_heads * t.head_dim + 2 * t.num_kv_heads * t.head_dim
+             + ((t.index_num_heads + 1) * t.index_head_dim if kind == "sparse" else 0) for kind in t.attention_types)
+  assert one.fused_projections == rows * (t.hidden_size + t.hidden_size // 32) and one.split_experts == 0
 
 
 def test_bf16_activations_with_fp8_weights():
