@@ -6,6 +6,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 
 def timed_ms(fn, *args, repeats: int) -> float:
@@ -35,3 +36,21 @@ def gpu_ms(fn, *args, iters=5):
       jax.block_until_ready(fn(*args))
       times.append((time.perf_counter() - t0) * 1e3)
     return out, statistics.median(times), "wall"
+
+
+def copy_tbps(nbytes: int = 1 << 31, reps: int = 10, rounds: int = 3) -> float:
+  """The device's copy bandwidth in TB/s, the decode roofline's denominator: ``y = x + 1`` over a bf16 array of
+  ``nbytes`` (bytes read + written), the median over ``rounds`` of ``reps`` back-to-back calls (after a warm-up
+  round, which also brings the GPU to working clocks). Run it before the model is allocated: it holds 2 x nbytes."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  f = jax.jit(lambda a: a + jnp.bfloat16(1))
+  jax.block_until_ready(f(x))
+  times = []
+  for _ in range(rounds + 1):
+    start = time.perf_counter()
+    for _ in range(reps):
+      y = f(x)
+    jax.block_until_ready(y)
+    times.append((time.perf_counter() - start) / reps)
+  del x, y
+  return 2 * nbytes / statistics.median(times[1:]) / 1e12

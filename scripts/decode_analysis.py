@@ -53,12 +53,16 @@ def _routing_stats(graphdef, state, tok, pos, caches):
   return jnp.stack(means), jnp.stack(loads), out.caches
 
 
-def routed_expert_counts(graphdef, state, tok, pos, caches) -> tuple[list[int], tuple]:
-  """(distinct experts each MoE layer routes this decode batch (tok, pos int32 [B]) to, the caches): one
-  decode forward with the routing recorded; the caches are donated and returned (updated at ``pos``, as the
-  next step would)."""
+def routed_expert_counts(graphdef, state, tok, pos, caches, expert_range: tuple[int, int] | None = None
+                         ) -> tuple[list[int], tuple]:
+  """(distinct experts each MoE layer routes this decode batch (tok, pos int32 [B]) to -- among experts
+  [lo, hi) when ``expert_range`` is given (one device's experts) --, the caches): one decode forward with the
+  routing recorded; the caches are donated and returned (updated at ``pos``, as the next step would)."""
   _, loads, caches = _routing_stats(graphdef, state, tok[:, None], pos[:, None], caches)
-  return [int(n) for n in np.asarray((loads > 0).sum(-1))], caches
+  loads = np.asarray(loads)
+  if expert_range is not None:
+    loads = loads[:, expert_range[0]:expert_range[1]]
+  return [int(n) for n in (loads > 0).sum(-1)], caches
 
 
 def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
@@ -72,6 +76,11 @@ def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
   any query reads them); caches are donated and returned. Each pass recentres every layer on the routing the
   previous pass produced upstream. Returns (load imbalance per MoE layer before and after: the busiest
   expert's share of the calibration batch's picks over the mean share; 1 = perfectly even), caches).
+
+  The S columns run as S decode-shaped forwards ([B, 1] each, one after the other), so the calibration shares
+  its compiled program with ``routed_expert_counts`` (a 60-layer forward takes ~40 s to compile on the GPU
+  host); the statistics are the same as one [B, S] forward's up to the attention of column j seeing the
+  calibration tokens before it.
   """
   moe = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "correction_bias")]
   graphdef = nnx.graphdef(model)
@@ -79,14 +88,21 @@ def balance_routing(model: M3ForCausalLM, tok, pos, caches, passes: int = 2
   def imbalance(loads) -> list[float]:
     return [float(v) for v in np.asarray(loads.max(-1) / loads.mean(-1))]
 
+  def stats(caches):
+    means = loads = None
+    for j in range(tok.shape[1]):
+      m, l, caches = _routing_stats(graphdef, nnx.state(model), tok[:, j:j + 1], pos[:, j:j + 1], caches)
+      means, loads = (m, l) if means is None else (means + m, loads + l)
+    return means / tok.shape[1], loads, caches
+
   before = None
   for _ in range(passes):
-    means, loads, caches = _routing_stats(graphdef, nnx.state(model), tok, pos, caches)
+    means, loads, caches = stats(caches)
     before = before if before is not None else imbalance(loads)
     for mlp, mean in zip(moe, means):
       old = mlp.correction_bias.get_value()
       mlp.correction_bias.set_value(jax.device_put((-mean).astype(old.dtype), old.sharding))
-  _, loads, caches = _routing_stats(graphdef, nnx.state(model), tok, pos, caches)
+  _, loads, caches = stats(caches)
   return before, imbalance(loads), caches
 
 

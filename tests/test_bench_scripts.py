@@ -152,14 +152,23 @@ def test_bench_sharding_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_full_smoke(tmp_path):
+  """8 simulated devices, bf16, with the GPU script's cold-start options: the on-device loop only, the routing
+  calibrated at the first concurrency (the second keeps its biases and has no measured-count roofline), the
+  prefill after the decode rows."""
   out = tmp_path / "full.json"
   run_script("scripts/bench_full.py", "--smoke", "--mesh", "expert=4,tensor=2", "--decode-steps", "2",
-             "--loop-fusion-ab", "--out", str(out),
+             "--loop-fusion-ab", "--timing", "loop", "--balance-once", "--prefill-last", "--out", str(out),
              env={"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"})
   r = json.loads(out.read_text())
-  assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r)
+  assert r["devices"] == 8 and {"prefill", "decode_c4", "decode_c64"} <= set(r) and r["copy_TBps"] > 0
   calls = r["decode_c4"]["looped_calls_ms"]  # the loop A/B: 3 interleaved calls of each variant
   assert len(calls["fused_once"]) == len(calls["fused_per_step"]) == 3 and min(calls["fused_per_step"]) > 0
+  first, second = r["decode_c4"], r["decode_c64"]
+  assert first["routing_balance"]["calibration_tokens"] == 64 and second["routing_balance"] is None
+  assert "distinct_experts_mean" in first and "distinct_experts_mean" not in second
+  for d in (first, second):
+    assert "tpot_chained_ms" not in d and d["tpot_looped_ms"] > 0 and d["cache_bytes_per_device"] > 0
+    assert d["roofline_ratio"] == pytest.approx(d["tpot_looped_ms"] / d["roofline_ms"])
 
 
 def test_bench_full_compiler_options_parse():
@@ -171,13 +180,16 @@ def test_bench_full_compiler_options_parse():
 
 
 def test_bench_full_one_shard_smoke(tmp_path):
-  """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for."""
+  """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for. MXFP8
+  weights, in the expert layout of m3jax's meshes (4 of the 8 experts whole, routing over all 8)."""
   out = tmp_path / "shard.json"
   run_script("scripts/bench_full.py", "--smoke", "--one-shard", "2", "--decode-steps", "2", "--concurrency", "4",
+             "--weights", "mxfp8", "--layout", "experts",
              "--dispatch-probe", "--compiler-option", "xla_gpu_dot_merger_threshold_mb=0", "--stream-prompt", "16",
              "--prefill-chunks", "32,16", "--out", str(out))
   r = json.loads(out.read_text())
   assert r["devices"] == 1 and r["gpus_represented"] == 2 and r["one_shard_of"] == 2
+  assert (r["weights"], r["layout"]) == ("mxfp8", "experts") and r["decode_workspace_bytes"] > 0  # fused fp8 q/k/v
   assert r["step_compiler_options"] == {"xla_gpu_dot_merger_threshold_mb": 0}
   d = r["decode_c4"]
   assert d["tpot_chained_ms"] > 0 and d["tok_s_per_gpu"] == pytest.approx(4 / d["tpot_chained_ms"] * 1e3 / 2)
@@ -190,11 +202,32 @@ def test_bench_full_one_shard_smoke(tmp_path):
   assert [row["chunk"] for row in rows] == [None, 32, 16] and all(row["ms"] > 0 for row in rows)
   assert all(row["temp_bytes"] > 0 for row in rows) and rows[0]["logits_rel_err_vs_one_shot"] == 0.0
   assert all(row["logits_rel_err_vs_one_shot"] < 1e-5 for row in rows)
-  # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 2..8 experts
-  assert 2 <= d["distinct_experts_mean"] <= 8 and d["routed_roofline_ms"] > 0
+  # smoke model: 8 experts, top-2, 4 sequences -> each MoE layer touches 0..4 of device 0's experts 0-3
+  assert 0 <= d["distinct_experts_mean"] <= 4 and d["routed_roofline_ms"] > 0
   assert d["routing_balance"]["calibration_tokens"] == 64 and d["routing_balance"]["imbalance_after"] >= 1.0
   assert set(d["dispatch_probe"]) == {"step, pytrees", "step, flat lists", "no-op, flat lists", "no-op, pytrees"}
   assert all(v["chained_ms"] > 0 and v["sync_ms"] > 0 for v in d["dispatch_probe"].values())
+
+
+def test_shard_weight_bytes_of_both_layouts():
+  """MXFP8 reads 1 + 1/32 bytes per linear weight (the LM head stays bf16); under uniform routing both layouts
+  read the same bytes per GPU; measured counts are of all experts (slices, each 1/WAYS wide) or of the device's
+  own (experts, whole)."""
+  layouts = _load_script("shard_layouts")
+  t = _load_script("bench_full").model_config(None, True).text  # 1 dense + 3 MoE layers, 8 experts of width 32
+  bf16, fp8 = layouts.decode_weight_bytes(t, 4), layouts.decode_weight_bytes(t, 4, fp8=True)
+  head = 2 * t.hidden_size * t.vocab_size
+  assert fp8 - head == pytest.approx((bf16 - head) / 2 * (1 + 1 / 32))
+  uniform = {lay: layouts.shard_weight_bytes(t, 4, ways=2, layout=lay, fp8=True) for lay in layouts.LAYOUTS}
+  assert uniform["slices"] == uniform["experts"] == pytest.approx(fp8 / 2)
+  per_expert = 3 * t.hidden_size * t.intermediate_size * (1 + 1 / 32)
+  none = layouts.shard_weight_bytes(t, 4, ways=2, layout="experts", fp8=True, counts=[0, 0, 0])
+  assert layouts.shard_weight_bytes(t, 4, ways=2, layout="experts", fp8=True, counts=[1, 2, 3]) == pytest.approx(
+      none + 6 * per_expert)
+  assert layouts.shard_weight_bytes(t, 4, ways=2, layout="slices", fp8=True, counts=[1, 2, 3]) == pytest.approx(
+      none + 6 * per_expert / 2)
+  with pytest.raises(ValueError, match="3 experts do not split over 2"):
+    layouts.local_experts(dataclasses.replace(t, num_experts=3), 2)
 
 
 def test_decode_weight_bytes_counts_the_experts_touched():
@@ -237,6 +270,8 @@ def test_shard_config_divides_widths_and_names_what_does_not_divide():
   assert (shard.num_heads, shard.num_kv_heads, shard.index_num_heads) == (8, 1, 1)
   assert (shard.intermediate_size, shard.shared_intermediate_size, shard.dense_intermediate_size) == (384, 384, 1536)
   assert shard.vocab_size * 8 == full.vocab_size and shard.num_experts == full.num_experts
+  whole = bench_full.shard_config(full, 8, "experts")  # 16 whole experts per GPU, routed over all 128
+  assert (whole.intermediate_size, whole.num_experts, whole.shared_intermediate_size) == (3072, 128, 384)
   assert bench_full.shard_config(full, 2).num_kv_heads == 2
   with pytest.raises(ValueError, match="num_kv_heads = 4 is not divisible by 3"):
     bench_full.shard_config(full, 3)
