@@ -331,3 +331,26 @@ def test_bf16_activations_with_fp8_weights():
   got, base = _logits_at(kept, ref), _logits_at(plain, ref)
   assert relative_error(got, ref["logits"]) <= 1.25 * relative_error(base, ref["logits"]) + 1e-3
   assert (got.argmax(-1) == ref["logits"].argmax(-1)).mean() >= 0.95
+
+
+def test_generate_fuses_the_fp8_projections_once_outside_the_decode_loop():
+  """generate builds the fused fp8 q / k / v (/ index) weights (values and scales) before its decode loop, once:
+  the loop body concatenates no fp8 weights (XLA:GPU keeps a concatenation written in the loop in the loop)."""
+  from m3jax.generate import _generate_jit  # pylint: disable=g-import-not-at-top
+  from m3jax.sampling import SamplingParams  # pylint: disable=g-import-not-at-top
+  from program_walk import concatenates  # pylint: disable=g-import-not-at-top
+
+  cfg = m3jax.tiny()
+  t = cfg.text
+  abstract = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, dtype=jnp.float32))
+  specs = quantize_all([p for p, _ in nnx.to_flat_state(nnx.state(abstract))])
+  model = m3jax.M3ForCausalLM(cfg, dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0), quantized=specs)
+  graphdef, state = nnx.split(model)
+  args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
+          jnp.asarray([2], jnp.int32), jnp.int32(0), None)
+  jaxpr = _generate_jit.trace(*args, max_new_tokens=4, sampling=SamplingParams(), cache_len=128).jaxpr.jaxpr
+  found = concatenates(jaxpr, lambda aval: aval.dtype == jnp.float8_e4m3fn and aval.shape[-1] == t.hidden_size)
+  qkv = (t.num_heads + 2 * t.num_kv_heads) * t.head_dim
+  rows = sorted(qkv + (t.index_num_heads + 1) * t.index_head_dim * (kind == "sparse") for kind in t.attention_types)
+  assert not [a.shape for a, inside in found if inside], "fp8 projection weights concatenated in the decode loop"
+  assert sorted(a.shape[0] for a, _ in found) == rows  # once per layer, before the loop (the prefill: no fusion)
