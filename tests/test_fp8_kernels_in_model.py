@@ -15,7 +15,6 @@ import pathlib
 import re
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
