@@ -72,6 +72,22 @@ def objective(layout: ParamLayout, cfg: ObjectiveConfig, master: Params, rows: j
   return total, metrics
 
 
+def init_state(layout: ParamLayout, tx: optax.GradientTransformation, master: Params) -> dict[str, Any]:
+  """{"params": master, "opt_state": tx's, "step": 0}; under a plan, every leaf the parameters' layout does not
+  place (optimizer counters, the step) is replicated over the mesh, so that one jit program takes them all."""
+  state = {"params": master, "opt_state": jax.jit(tx.init)(master), "step": jnp.zeros((), jnp.int32)}
+  if layout.plan is None or layout.plan.is_trivial:
+    return state
+  mesh = layout.plan.mesh
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def place(x):
+    on_mesh = isinstance(x.sharding, jax.sharding.NamedSharding) and x.sharding.mesh == mesh
+    return x if on_mesh else jax.device_put(x, replicated)
+
+  return jax.tree.map(place, state)
+
+
 def make_train_step(layout: ParamLayout, tx: optax.GradientTransformation, cfg: ObjectiveConfig,
                     schedule: Callable[[Any], Any], *, sparse: bool, state_shardings: Any = None
                     ) -> Callable[[dict[str, Any], jax.Array], tuple[dict[str, Any], dict[str, Any]]]:

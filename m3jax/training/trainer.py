@@ -35,7 +35,7 @@ from m3jax.training.metrics_log import MetricsLog
 from m3jax.training.optimizer import OptimizerConfig, make_optimizer, schedule
 from m3jax.training.params import count_params, init_master, make_layout
 from m3jax.training.settings import TrainConfig, TrainSetupError, check_setup
-from m3jax.training.step import ObjectiveConfig, make_eval_step, make_train_step
+from m3jax.training.step import ObjectiveConfig, init_state, make_eval_step, make_train_step
 from m3jax.training.tokenizer_training import TOKENIZER_FILES, save_tokenizer, special_ids, train_bpe
 
 SETTINGS_FILE = "train.json"
@@ -133,7 +133,7 @@ def train(config: M3Config | str | os.PathLike, corpus: str | os.PathLike, out: 
                             min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm)
   tx = make_optimizer(opt_cfg)
   master = init_master(layout, tc.seed)
-  state = {"params": master, "opt_state": jax.jit(tx.init)(master), "step": jnp.zeros((), jnp.int32)}
+  state = init_state(layout, tx, master)
   mngr = state_checkpoints.manager(os.path.join(out, "checkpoints"))
   restored = state_checkpoints.restore_latest(mngr, state) if resumed else None
   start = 0
