@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import m3jax
+import m3jax.demo
 from m3jax import cli
 from m3jax.training import data
 from m3jax.training.settings import TrainConfig, TrainSetupError
@@ -132,7 +133,7 @@ def _losses(out: pathlib.Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, corpus):
+def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, corpus, monkeypatch, capsys):
   cfg = small_config()
   tc = _settings()
   whole = train(cfg, corpus, tmp_path / "whole", tc)
@@ -167,10 +168,11 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, corpus):
     assert abs(again[step] - loss) <= 1e-5 * abs(loss), (step, again[step], loss)
   assert resumed.val_loss == pytest.approx(whole.val_loss, rel=1e-5)
 
-  # The output is a normal m3jax checkpoint: load (with the MTP module), its tokenizer, generation.
+  # The output is a normal m3jax checkpoint: load (with the MTP module), its tokenizer, generation; `m3jax demo`
+  # runs it when the package carries it (here: pointed at this one).
   model = m3jax.load(resumed.model_dir, with_mtp=True)
   assert model.dtype == jnp.bfloat16 and model.mtp is not None
-  out = subprocess.run([sys.executable, "-m", "m3jax.cli", "generate", resumed.model_dir, "--prompt", "The",
-                        "--max-new-tokens", "4"], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                       text=True, timeout=600, check=False)
-  assert out.returncode == 0, out.stderr[-2000:]
+  monkeypatch.setattr(m3jax.demo, "trained_demo_checkpoint", lambda: resumed.model_dir)
+  assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
+  out, err = capsys.readouterr()
+  assert "the small trained M3" in out and "generated 4" in err

@@ -12,7 +12,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
   d = TrainConfig()
   p = sub.add_parser("train", help="train an M3-architecture model on a text corpus", description=__doc__)
-  p.add_argument("--config", required=True, help="config.json of the model to train (its vision tower is not trained)")
+  p.add_argument("--config", default=None,
+                 help="config.json of the model to train from scratch (its vision tower is not trained)")
+  p.add_argument("--init-from", default=None, metavar="CHECKPOINT",
+                 help="fine-tune this m3jax checkpoint instead (its config, tokenizer and weights; no --config)")
   p.add_argument("--data", required=True, help="a UTF-8 text file or a directory of *.txt files; documents are "
                                                "separated by blank lines")
   p.add_argument("--out", required=True, help="output directory (DIR/model is the trained checkpoint)")
@@ -50,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
   from m3jax.training.settings import TrainConfig  # pylint: disable=g-import-not-at-top
   from m3jax.training.trainer import train  # pylint: disable=g-import-not-at-top
 
-  tc = TrainConfig(steps=args.steps, batch=args.batch, seq_len=args.seq_len, mesh=args.mesh, learning_rate=args.lr,
+  if (args.config is None) == (args.init_from is None):
+    raise ValueError("pass exactly one of --config (train from scratch) and --init-from (fine-tune a checkpoint)")
+  tc = TrainConfig(init_from=args.init_from, steps=args.steps, batch=args.batch, seq_len=args.seq_len, mesh=args.mesh, learning_rate=args.lr,
                    warmup_steps=args.warmup_steps, min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
                    clip_norm=args.clip_norm, mtp_weight=args.mtp_weight, indexer_weight=args.indexer_weight,
                    indexer_warmup_steps=args.indexer_warmup_steps, router_bias_rate=args.router_bias_rate,

@@ -37,6 +37,7 @@ class TrainConfig:
   holdout_fraction: float = 0.02
   compute_dtype: str = "bfloat16"
   save_dtype: str = "bfloat16"
+  init_from: str | None = None  # fine-tune: start from this m3jax checkpoint (its config and tokenizer)
   mesh: str | None = None
   progress: bool = True
 

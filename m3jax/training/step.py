@@ -105,7 +105,7 @@ def make_train_step(layout: ParamLayout, tx: optax.GradientTransformation, cfg: 
       raise ValueError(f"internal: {len(bias_keys)} correction biases for {loads.shape[0]} recorded MoE layers")
     for i, key in enumerate(bias_keys):
       params[key] = balanced_bias(params[key], loads[i], cfg.router_bias_rate)
-    metrics = dict(metrics, grad_norm=optax.global_norm(grads), learning_rate=schedule(state["step"]),
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state["step"]),
                    max_load_ratio=max_load_ratio(loads) if loads.shape[0] else jnp.zeros(()))
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 

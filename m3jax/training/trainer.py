@@ -18,12 +18,14 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from m3jax import sharding
@@ -33,7 +35,7 @@ from m3jax.training import data, state_checkpoints
 from m3jax.training.export_model import export_trained, model_bytes
 from m3jax.training.metrics_log import MetricsLog
 from m3jax.training.optimizer import OptimizerConfig, make_optimizer, schedule
-from m3jax.training.params import count_params, init_master, make_layout
+from m3jax.training.params import count_params, init_master, key_of, make_layout
 from m3jax.training.settings import TrainConfig, TrainSetupError, check_setup
 from m3jax.training.step import ObjectiveConfig, init_state, make_eval_step, make_train_step
 from m3jax.training.tokenizer_training import TOKENIZER_FILES, save_tokenizer, special_ids, train_bpe
@@ -86,6 +88,35 @@ def _tokenizer(out: str, documents: list[str], vocab_size: int, resumed: bool):
   return tok, tok_dir
 
 
+def _base_checkpoint(path: str, out: str):
+  """Fine-tuning: the base checkpoint's tokenizer (copied to OUT/tokenizer) and its bos / eos ids."""
+  from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+
+  tok_dir = os.path.join(out, "tokenizer")
+  if not os.path.exists(os.path.join(path, "tokenizer.json")):
+    raise TrainSetupError(f"{path}: fine-tuning needs the base checkpoint's tokenizer.json")
+  tmp = tok_dir + ".tmp"
+  os.makedirs(tmp, exist_ok=True)
+  for name in TOKENIZER_FILES + ("chat_template.jinja",):
+    if os.path.exists(os.path.join(path, name)):
+      shutil.copy2(os.path.join(path, name), os.path.join(tmp, name))
+  os.replace(tmp, tok_dir)
+  return Tokenizer.from_file(os.path.join(tok_dir, "tokenizer.json")), tok_dir
+
+
+def _base_master(layout, path: str) -> dict[str, jax.Array]:
+  """The base checkpoint's weights as fp32 masters, placed like freshly initialised ones."""
+  from m3jax.checkpoint.loader import load  # pylint: disable=g-import-not-at-top
+
+  model = load(path, dtype=jnp.float32, kernels="reference", text_only=True, with_mtp=layout.with_mtp)
+  flat = {key_of(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  out = {}
+  for key in layout.keys:
+    target = layout.sharding(key)
+    out[key] = flat[key] if target is None else jax.device_put(flat[key], target)
+  return out
+
+
 def _text_config(cfg: M3Config, tok) -> M3Config:
   """The config with the tokenizer's special ids (vocab_size stays: the tokenizer fits inside it)."""
   ids = special_ids(tok)
@@ -97,16 +128,21 @@ def _text_config(cfg: M3Config, tok) -> M3Config:
                              projector_hidden_size=None)
 
 
-def train(config: M3Config | str | os.PathLike, corpus: str | os.PathLike, out: str | os.PathLike,
+def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike, out: str | os.PathLike,
           tc: TrainConfig = TrainConfig()) -> TrainResult:
   """Trains (or resumes training) an M3-architecture model on a text corpus; see the module docstring.
 
   Args:
-    config: an M3Config or a config.json path (its vision tower, if any, is not trained: text only).
+    config: an M3Config or a config.json path (its vision tower, if any, is not trained: text only); None when
+      fine-tuning (``tc.init_from``: the base checkpoint's config, tokenizer and weights are used).
     corpus: a UTF-8 text file or a directory of *.txt files; documents separated by blank lines.
     out: the output directory (created; reused only by a rerun of the same settings, which resumes).
     tc: the run's settings.
   """
+  if tc.init_from is not None:
+    if config is not None:
+      raise TrainSetupError("fine-tuning (init_from) takes the base checkpoint's config; pass config=None")
+    config = tc.init_from
   cfg = config if isinstance(config, M3Config) else M3Config.from_file(config)
   out = os.fspath(out)
   check_setup(cfg, tc)
@@ -118,8 +154,14 @@ def train(config: M3Config | str | os.PathLike, corpus: str | os.PathLike, out: 
   if not resumed:
     with open(os.path.join(out, SETTINGS_FILE), "w") as f:
       json.dump(settings, f, indent=2)
-  tok, tok_dir = _tokenizer(out, train_docs, cfg.text.vocab_size, resumed)
-  cfg = _text_config(cfg, tok)
+  if tc.init_from is None:
+    tok, tok_dir = _tokenizer(out, train_docs, cfg.text.vocab_size, resumed)
+    cfg = _text_config(cfg, tok)
+  else:
+    tok, tok_dir = _base_checkpoint(tc.init_from, out)
+    cfg = dataclasses.replace(cfg, vision=None)
+    if cfg.text.bos_token_id is None or not cfg.text.eos_token_ids:
+      raise TrainSetupError(f"{tc.init_from}: config.json names no bos / eos token id to separate documents with")
   bos, eos = cfg.text.bos_token_id, cfg.text.eos_token_ids[0]
   train_rows = data.pack_documents([e.ids for e in tok.encode_batch(train_docs)], tc.seq_len, bos, eos, "training")
   val_rows = data.pack_documents([e.ids for e in tok.encode_batch(val_docs)], tc.seq_len, bos, eos, "validation")
@@ -132,7 +174,7 @@ def train(config: M3Config | str | os.PathLike, corpus: str | os.PathLike, out: 
   opt_cfg = OptimizerConfig(learning_rate=tc.learning_rate, warmup_steps=tc.warmup, total_steps=tc.steps,
                             min_lr_ratio=tc.min_lr_ratio, weight_decay=tc.weight_decay, clip_norm=tc.clip_norm)
   tx = make_optimizer(opt_cfg)
-  master = init_master(layout, tc.seed)
+  master = init_master(layout, tc.seed) if tc.init_from is None else _base_master(layout, tc.init_from)
   state = init_state(layout, tx, master)
   mngr = state_checkpoints.manager(os.path.join(out, "checkpoints"))
   restored = state_checkpoints.restore_latest(mngr, state) if resumed else None
