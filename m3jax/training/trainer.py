@@ -184,7 +184,9 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
   log = MetricsLog(os.path.join(out, "metrics.jsonl"))
   log.truncate_after(start)
 
-  shardings = jax.tree.map(lambda x: x.sharding, state)
+  # Under a plan the step keeps the state's layout; without one, jit's default placement (an out_shardings of
+  # the single device would commit the outputs and make the second step compile again).
+  shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, state)
   objective = ObjectiveConfig(mtp_weight=tc.mtp_weight, indexer_weight=tc.indexer_weight,
                               router_bias_rate=tc.router_bias_rate)
   steps = {sparse: make_train_step(layout, tx, objective, schedule(opt_cfg), sparse=sparse,
