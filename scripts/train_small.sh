@@ -18,7 +18,7 @@ exec "$PY" -m m3jax.cli train \
   --config configs/m3_small_kjv.json \
   --data data/kjv/kjv.txt \
   --out "${OUT:-runs/m3-small-kjv}" \
-  --steps "${STEPS:-2000}" \
+  --steps "${STEPS:-1500}" \
   --batch "${BATCH:-32}" \
   --seq-len 512 \
   --lr 2e-3 --warmup-steps "${WARMUP:-100}" --min-lr-ratio 0.1 --weight-decay 0.1 --clip-norm 1.0 \

@@ -176,3 +176,20 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, corpus, mon
   assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
   out, err = capsys.readouterr()
   assert "the small trained M3" in out and "generated 4" in err
+
+
+def test_bench_train_reports_throughput_and_mfu(tmp_path):
+  """scripts/bench_train.py end to end on the CPU (two steps of the small two-layer config)."""
+  cfg = tmp_path / "config.json"
+  cfg.write_text(json.dumps(small_config().to_dict()))
+  out = tmp_path / "bench.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_train.py", "--config", str(cfg), "--batch", "2", "--seq-len",
+                         "48", "--steps", "1", "--compute-dtype", "float32", "--peak-tflops", "1", "--out", str(out)],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                        timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["tokens_per_s"] > 0 and np.isfinite(result["loss"])
+  assert result["mfu"] == pytest.approx(result["model_tflops_per_s"] / 1.0)
+  from m3jax.training.flops import train_flops_per_token
+  assert result["train_flops_per_token"] == pytest.approx(train_flops_per_token(small_config(), 48, True))

@@ -122,3 +122,15 @@ def test_router_balancing_moves_bias_towards_underloaded_experts():
   np.testing.assert_allclose(np.asarray(load), [3 / 6, 2 / 6, 1 / 6, 0.0])
   bias = balanced_bias(jnp.zeros(4), load, 0.01)
   np.testing.assert_allclose(np.asarray(bias), [-0.01, -0.01, 0.01, 0.01])
+
+
+def test_dense_attention_turns_the_selection_off(model):
+  """forward(dense_attention=True) (the indexer's warm-up phase): identical where the top-k keeps every block
+  (positions < top-k x block), different past it, where the sparse layers really prune."""
+  ids = jnp.asarray(np.load(FIXTURE / "reference.npz")["input_ids"])
+  t = model.config.text
+  live = t.index_topk_blocks * t.index_block_size
+  sparse = np.asarray(model.forward(ids).logits)
+  dense = np.asarray(model.forward(ids, dense_attention=True).logits)
+  np.testing.assert_allclose(dense[:, :live], sparse[:, :live], rtol=1e-5, atol=1e-5)
+  assert np.max(np.abs(dense[:, live:] - sparse[:, live:])) > 1e-3

@@ -63,7 +63,10 @@ def _prepare_output(out: str, settings: dict[str, Any]) -> bool:
   if os.path.exists(path):
     with open(path) as f:
       previous = json.load(f)
-    diff = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
+    diff = sorted(k for k in set(previous) | set(settings) if k != "train" and previous.get(k) != settings.get(k))
+    before, now = previous.get("train", {}), settings["train"]
+    diff += sorted(f"--{k.replace('_', '-')} ({before.get(k)} -> {now.get(k)})" for k in set(before) | set(now)
+                   if before.get(k) != now.get(k))
     if diff:
       raise TrainSetupError(f"{out} holds a run with other settings ({', '.join(diff)} differ); use a new --out "
                             "or the same settings to resume it")
@@ -215,6 +218,11 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
     return rec
 
   tokens_per_step = tc.batch * tc.seq_len
+  if tc.progress:
+    print(f"[m3jax] {count_params(state['params']):,} parameters; training split {train_rows.tokens:,} tokens "
+          f"({len(train_rows.rows):,} rows of {tc.seq_len}, {train_rows.dropped} tail tokens unused), validation "
+          f"{val_rows.tokens:,} tokens; {tc.steps} steps x {tokens_per_step:,} tokens = "
+          f"{tc.steps * tokens_per_step / train_rows.tokens:.1f} epochs" + (f"; resuming at step {start}" if start else ""))
   bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not tc.progress, dynamic_ncols=True)
   last_val: dict[str, float] | None = None
   try:
