@@ -7,6 +7,8 @@
 #   STEPS=30 BATCH=4 WARMUP=3 INDEXER_WARMUP=10 EVAL_EVERY=10 CHECKPOINT_EVERY=10 OUT=/tmp/m3-small-check \
 #     bash scripts/train_small.sh --compute-dtype float32      # a short CPU check
 #
+# On a machine that cannot reach Debian's archive (the GPU machines), run `python scripts/prepare_kjv.py` where it
+# can and bring data/kjv along (it is git-ignored); the script leaves a prepared data/kjv/kjv.txt alone.
 # Extra arguments go to `m3jax train`. Rerun the same command to resume after an interruption.
 # The router-balancing rate is 10x DeepSeek-V3's 1e-3: a 40-step CPU check of this command saw the busiest expert
 # reach 3.5-4x the mean load within 10 steps, and at 1e-3 per step the bias needs hundreds of steps to answer.

@@ -134,3 +134,17 @@ def test_dense_attention_turns_the_selection_off(model):
   dense = np.asarray(model.forward(ids, dense_attention=True).logits)
   np.testing.assert_allclose(dense[:, :live], sparse[:, :live], rtol=1e-5, atol=1e-5)
   assert np.max(np.abs(dense[:, live:] - sparse[:, live:])) > 1e-3
+
+
+def test_lm_loss_differentiates_a_kernel_model_through_its_reference_view(model):
+  """A model built for the Pallas kernels (no backward pass) gets the same loss and gradients: lm_loss runs a
+  reference view of the same weights; the model itself keeps its kernels."""
+  ids = np.load(FIXTURE / "reference.npz")["input_ids"][:, :40]
+  kernel_model = m3jax.load(FIXTURE / "checkpoint", kernels="pallas")
+  loss, grads = nnx.value_and_grad(lambda m: lm_loss(m, ids))(kernel_model)
+  want_loss, want = nnx.value_and_grad(lambda m: lm_loss(m, ids))(model)
+  assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+  for (path, g), (_, w) in zip(nnx.to_flat_state(grads), nnx.to_flat_state(want)):
+    np.testing.assert_allclose(np.asarray(g.get_value()), np.asarray(w.get_value()), rtol=1e-5, atol=1e-7,
+                               err_msg=str(path))
+  assert kernel_model.kernels == "pallas" and kernel_model.layers[0].attn.kernels == "pallas"
