@@ -247,8 +247,9 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
   finally:
     bar.close()
     mngr.close()
-  if last_val is None:  # resumed after the last step: evaluate the restored model
-    last_val = validation(tc.steps)
+  if last_val is None:  # rerun after the last step: the final evaluation is already logged
+    logged = [r for r in log.read() if "val_loss" in r and r["step"] == tc.steps]
+    last_val = logged[-1] if logged else validation(tc.steps)
   model_dir = os.path.join(out, "model")
   export_trained(state["params"], cfg, model_dir, dtype=tc.save_dtype, tokenizer_dir=tok_dir,
                  provenance={"corpus": os.path.abspath(os.fspath(corpus)), "steps": tc.steps}, force=True)
