@@ -17,11 +17,11 @@
 # The modules m3jax serves are the modules it trains: `m3jax.training.train` (the `m3jax train` command) runs
 # the M3 forward pass on its pure-jnp reference ops under `jax.value_and_grad`, with AdamW on fp32 master
 # weights, the lightning indexer's alignment loss, the MTP loss and auxiliary-loss-free router balancing
-# (TRAINING.md).
+# (docs/training.md).
 #
 # This notebook trains a tiny M3 (two layers: full attention + dense MLP, sparse attention + MoE, and an MTP
 # module; 0.34 M parameters) on this repository's README for a couple of hundred steps, then fine-tunes the
-# result on another text (TRAINING.md), and plots the loss curves. A CPU does both in a minute or two. The same
+# result on another text (docs/training.md), and plots the loss curves. A CPU does both in a minute or two. The same
 # `init_from` fine-tunes the packaged small trained M3 (`m3jax.demo.trained_demo_checkpoint()`, 7 M parameters),
 # only more slowly on a CPU.
 
@@ -40,7 +40,7 @@ from m3jax.training import TrainConfig, train
 work = pathlib.Path(tempfile.mkdtemp(prefix="m3jax-training-"))
 pretrain_text, finetune_text = work / "readme.txt", work / "training.txt"
 pretrain_text.write_text(pathlib.Path("../README.md").read_text())  # paragraphs (blank-line separated) are documents
-finetune_text.write_text(pathlib.Path("../TRAINING.md").read_text())
+finetune_text.write_text(pathlib.Path("../docs/training.md").read_text())
 
 tiny = m3jax.tiny(mtp=True)  # blocks of 16 keys, top-2: the selection is live past 32 tokens
 config = dataclasses.replace(tiny, text=dataclasses.replace(
