@@ -184,14 +184,23 @@ def test_trivial_mesh_is_the_unsharded_model():
 
 @pytest.mark.parametrize("fixture, meshes", [
     ("legacy_b128", MESHES),
-    ("flat_local2_b128", ["tensor=8", "data=2,expert=2,tensor=2+sp"]),
+    ("flat_local2_b128", ["tensor=8", "data=2,expert=2,tensor=2+sp", "bare:tensor=8", "bare:data=2,tensor=4"]),
     ("flat_b16", ["data=2,tensor=4"]),
 ])
 def test_sharded_forward_matches_single_device(fixture, meshes):
+  """'bare:' meshes are jax.make_mesh's own (Explicit axis types), lacking some of data / expert / tensor: the
+  missing axes count as size 1, for m3jax.load(mesh=) and shard_model alike."""
   result = run_worker("forward", fixture, *meshes)
   for mesh in meshes:
     assert result[mesh]["rel_err"] <= 1e-5, (mesh, result[mesh])
     assert result[mesh]["logprob_err"] <= 1e-4, (mesh, result[mesh])
+    if mesh.startswith("bare:"):
+      assert result[mesh]["shard_model_rel_err"] <= 1e-5, (mesh, result[mesh])
+      assert result[mesh]["plan_sizes"]["expert"] == 1, (mesh, result[mesh])
+  if fixture == "flat_local2_b128":
+    assert result["bare:tensor=8"]["mesh_axes"] == ["tensor"]
+    assert result["bare:tensor=8"]["embed_spec"] == "P('tensor', None)"  # vocab over tensor
+    assert result["bare:data=2,tensor=4"]["plan_sizes"] == {"data": 2, "expert": 1, "tensor": 4}
 
 
 def test_vision_tower_data_parallel_over_images_matches():
