@@ -75,8 +75,8 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
 
   graphdef, state = nnx.split(model)
   args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
-          jnp.asarray([2], jnp.int32), jnp.int32(0), None)
-  kw = dict(max_new_tokens=3, sampling=SamplingParams(), cache_len=128)
+          jnp.asarray([2], jnp.int32), jnp.int32(0), None, jnp.int32(3))
+  kw = dict(width=32, sampling=SamplingParams(), cache_len=128)
   found = [(tuple(aval.shape), inside) for aval, inside in concatenates(
       _generate_jit.trace(*args, **kw).jaxpr.jaxpr, lambda aval: aval.dtype == jnp.bfloat16 and aval.shape in split)]
   assert [shape for shape, inside in found if inside] == [], "fp32 expert weights split inside the decode loop"
