@@ -162,6 +162,7 @@ def test_bench_full_smoke(tmp_path):
   assert len(calls["fused_once"]) == len(calls["fused_per_step"]) == 3 and min(calls["fused_per_step"]) > 0
 
 
+@pytest.mark.quick
 def test_bench_full_compiler_options_parse():
   parse = _load_script("bench_full").parse_compiler_options
   assert parse([]) is None
@@ -197,6 +198,7 @@ def test_bench_full_one_shard_smoke(tmp_path):
   assert all(v["chained_ms"] > 0 and v["sync_ms"] > 0 for v in d["dispatch_probe"].values())
 
 
+@pytest.mark.quick
 def test_decode_weight_bytes_counts_the_experts_touched():
   """Uniform routing's expected count by default; measured counts replace it layer by layer."""
   analysis = _load_script("decode_analysis")
@@ -230,6 +232,7 @@ def test_routed_expert_counts_match_the_recorded_routing():
   assert counts == expected and len(counts) == 3 and len(caches) == cfg.text.num_layers
 
 
+@pytest.mark.quick
 def test_shard_config_divides_widths_and_names_what_does_not_divide():
   bench_full = _load_script("bench_full")
   full = bench_full.model_config(None, False).text

@@ -33,6 +33,7 @@ def _alone(model, prompt, n, **kw):
   return out.tokens[0, : out.lengths[0]].tolist()
 
 
+@pytest.mark.quick
 def test_common_prefix_length():
   assert common_prefix_length([], [1, 2]) == 0
   assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
@@ -97,6 +98,7 @@ def test_a_stop_token_ends_the_reply_and_the_next_turn_continues(model, ids):
   assert conv.last_turn.reused == len(prompt) + len(expected)
 
 
+@pytest.mark.quick
 def test_sampled_conversations_are_reproducible(model, ids):
   runs = []
   for _ in range(2):
@@ -109,6 +111,7 @@ def test_sampled_conversations_are_reproducible(model, ids):
   assert (_reply(conv, ids[0, :30].tolist(), 8), ) != runs[0][:1]
 
 
+@pytest.mark.quick
 def test_bad_requests_fail_before_compute(model, ids):
   with pytest.raises(ValueError, match="max_length must be >= 2"):
     Conversation(model, max_length=1)

@@ -136,11 +136,13 @@ def test_stream_calls_share_one_compile_and_yield_exactly_max_new_tokens(models)
   np.testing.assert_array_equal(tight, generate(model, prompts, max_new_tokens=60, eos_token_ids=()).tokens)
 
 
+@pytest.mark.quick
 def test_stream_rejects_a_bad_steps_per_call(models):
   with pytest.raises(ValueError, match="steps_per_call must be >= 1"):
     next(generate_stream(models["flat_b16"], [[1, 2, 3]], max_new_tokens=4, steps_per_call=0))
 
 
+@pytest.mark.quick
 def test_eos_stops_a_sequence_and_pads(models):
   model = models["flat_b16"]
   ref, prompts = _prompts("flat_b16")
@@ -183,6 +185,7 @@ def test_cache_length_is_block_aligned_under_max_length(models):
     assert out.caches[0].k.shape[1] == slots, (new, max_length, out.caches[0].k.shape)
 
 
+@pytest.mark.quick
 def test_too_long_requests_fail_before_compute(models):
   model = models["flat_b16"]
   with pytest.raises(ValueError, match="longer than the cache"):

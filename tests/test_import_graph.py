@@ -9,6 +9,7 @@ component of more than one module, or a module that imports itself.
 from __future__ import annotations
 
 import grimp
+import pytest
 
 PACKAGES = ("m3jax", "pallas_kernels")
 
@@ -76,6 +77,7 @@ def describe(graph: grimp.ImportGraph, cycle: list[str]) -> str:
   return "\n".join(lines)
 
 
+@pytest.mark.quick
 def test_tarjan_finds_a_circle_and_nothing_else():
   graph = grimp.ImportGraph()
   for module in ("p", "p.a", "p.b", "p.c", "p.d"):
@@ -89,6 +91,7 @@ def test_tarjan_finds_a_circle_and_nothing_else():
   assert import_cycles(graph) == []
 
 
+@pytest.mark.quick
 def test_no_import_circle_in_m3jax_or_pallas_kernels():
   graph = import_graph()
   assert "m3jax.checkpoint.loader" in graph.modules and "pallas_kernels.moe" in graph.modules

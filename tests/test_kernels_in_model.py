@@ -55,6 +55,7 @@ def test_bf16_model_on_kernels_matches_the_reference_path(caplog):
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
 
 
+@pytest.mark.quick
 def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   """fp32 expert weights run the MoE kernels through a bf16 hi / lo split (3x K). A decode loop builds it once,
   before the loop (``decode_weights``), not per step: XLA:GPU left the per-call split in the compiled while body

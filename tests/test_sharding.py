@@ -45,6 +45,7 @@ def _abstract(cfg):
   return list(nnx.to_flat_state(nnx.state(model)))
 
 
+@pytest.mark.quick
 def test_every_parameter_and_cache_leaf_has_a_rule():
   ruled = {name for name, _ in sharding.RULES}
   flat = _abstract(m3jax.tiny(vision=True))
@@ -59,6 +60,7 @@ def test_every_parameter_and_cache_leaf_has_a_rule():
 
 
 @pytest.mark.parametrize("mesh", ["tensor=8", "expert=8", "data=2,tensor=4", "expert=4,tensor=2", "data=2,expert=2"])
+@pytest.mark.quick
 def test_parameter_specs_agree_with_the_checkpoint_loader(mesh):
   """m3jax.load(mesh=) hands RULES to checkpoint/sharding.py; shard_model uses logical_spec: same layout."""
   sizes = sharding.parse_mesh(mesh)
@@ -71,6 +73,7 @@ def test_parameter_specs_agree_with_the_checkpoint_loader(mesh):
     assert [sharding.spec_axes(e) for e in ours] == drop1, path
 
 
+@pytest.mark.quick
 def test_spec_drops_axes_that_do_not_divide_activations():
   sizes = sharding.parse_mesh("data=2,expert=4,tensor=2")
   names = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
@@ -82,6 +85,7 @@ def test_spec_drops_axes_that_do_not_divide_activations():
       ("expert", "tensor"), None, None)
 
 
+@pytest.mark.quick
 def test_mesh_parsing_and_clear_errors():
   assert sharding.parse_mesh("expert=4,tensor=2") == {"data": 1, "expert": 4, "tensor": 2}
   with pytest.raises(ValueError, match="unknown axes"):
@@ -145,6 +149,7 @@ def test_memory_plan_full_m3():
   assert mtp32.split_experts == int(1.5 * ep32.weights["routed experts"] * 3 / 2)  # 2 MoE layers + the MTP's
 
 
+@pytest.mark.quick
 def test_memory_plan_that_cannot_fit_fails_naming_the_sizes():
   # One GPU's eighth of full M3 (as bench_full.py --one-shard 8 builds it) is ~113 GB: fits an H200, not an H100.
   plan = plan_memory(m3jax.m3_full(), "tensor=8", batch=4, context=33792)
@@ -235,6 +240,7 @@ def test_pallas_without_gpu_on_a_multi_device_mesh_takes_the_reference_by_rule()
   assert any("cannot run kernels on several devices" in m and "routed_experts" in m for m in result["messages"])
 
 
+@pytest.mark.quick
 def test_fused_projection_runs_per_device_or_falls_back():
   """q / k / v as one GEMM: per device under shard_map (query heads split, KV heads replicated), equal to one
   GEMM per weight; a rule that splits the hidden axis takes one GEMM per weight instead (no concatenation)."""

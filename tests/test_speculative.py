@@ -56,6 +56,7 @@ def _drafting_model(noise: float, seed: int = 0, mtp_layer_scale: float = 0.0) -
   return model
 
 
+@pytest.mark.quick
 def test_mtp_forward_follows_the_spec():
   """logits = lm_head(final_norm(layer(eh_proj([enorm(e) ; hnorm(h)])))), e zeroed at position 0."""
   model = _model()
@@ -86,6 +87,7 @@ def test_mtp_forward_follows_the_spec():
   assert not np.allclose(np.asarray(changed[1, 0]), np.asarray(out.logits[1, 0]))
 
 
+@pytest.mark.quick
 def test_mtp_weights_round_trip_through_original_and_converted_checkpoints(tmp_path):
   model = _model()
   src = tmp_path / "src"
@@ -120,6 +122,7 @@ def test_mtp_weights_round_trip_through_original_and_converted_checkpoints(tmp_p
     m3jax.load(no_mtp, with_mtp=True)
 
 
+@pytest.mark.quick
 def test_with_mtp_errors_name_the_problem(tmp_path):
   plain = m3jax.M3ForCausalLM(m3jax.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
   write_checkpoint(plain, tmp_path / "plain")
