@@ -120,6 +120,7 @@ def test_forward_reports_and_saves_selections(capsys, demo_dir, tmp_path):
   assert "not both" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_path):
   """--speculative K (with and without an image) prints generate_speculative's tokens and its acceptance."""
   import m3jax
@@ -149,6 +150,7 @@ def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_p
     assert f"acceptance {ref.acceptance_rate:.2f}" in err
 
 
+@pytest.mark.slow
 def test_chat_keeps_its_caches_between_turns(capsys, monkeypatch, demo_dir):
   monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is sparse attention?\n/reset\nHello there\n"))
   assert cli.main(["chat", str(demo_dir), "--max-new-tokens", "6", "--kernels", "reference", "--system",
@@ -210,6 +212,7 @@ def test_score_prints_the_library_perplexity(capsys, demo_dir, tmp_path):
   assert "at least 2 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_batch_writes_each_prompts_own_completion_in_input_order(capsys, demo_dir, tmp_path):
   tok = load_tokenizer(demo_dir)
   requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [5, 6, 7]},

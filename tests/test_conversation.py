@@ -42,6 +42,7 @@ def test_common_prefix_length():
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 4])
+@pytest.mark.slow
 def test_turns_equal_generate_and_prefill_only_what_is_new(model, ids, steps_per_call):
   conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=steps_per_call)
   prompt = ids[0, :40].tolist()

@@ -25,6 +25,7 @@ def _alone(model, prompt, n, eos):
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 3])
+@pytest.mark.slow
 def test_every_request_gets_its_own_greedy_tokens_as_slots_are_refilled(model, ids, steps_per_call):
   prompts = [ids[0, :150], ids[1, :37], ids[0, 20:101], ids[1, 90:110], ids[0, :100], ids[1, :64]]
   budgets = [10, 3, 7, 5, 12, 8]

@@ -57,6 +57,7 @@ def test_models_and_health(served):
     assert json.loads(r.read()) == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_concurrent_completions_each_get_their_own_greedy_text(served):
   prompts = ["What is sparse attention?", "Hello", "A block holds one hundred and twenty-eight keys,",
              "Why a shared expert?", "The quick brown fox"]
