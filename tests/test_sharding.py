@@ -192,14 +192,16 @@ def test_trivial_mesh_is_the_unsharded_model():
     ("flat_local2_b128", ["tensor=8", "data=2,expert=2,tensor=2+sp", "bare:tensor=8", "bare:data=2,tensor=4"]),
     ("flat_b16", ["data=2,tensor=4"]),
 ])
+@pytest.mark.slow
 def test_sharded_forward_matches_single_device(fixture, meshes):
   """'bare:' meshes are jax.make_mesh's own (Explicit axis types), lacking some of data / expert / tensor: the
   missing axes count as size 1, for m3jax.load(mesh=) and shard_model alike."""
   result = run_worker("forward", fixture, *meshes)
   for mesh in meshes:
     assert result[mesh]["rel_err"] <= 1e-5, (mesh, result[mesh])
-    assert result[mesh]["logprob_err"] <= 1e-4, (mesh, result[mesh])
-    if mesh.startswith("bare:"):
+    if not mesh.startswith("bare:"):
+      assert result[mesh]["logprob_err"] <= 1e-4, (mesh, result[mesh])
+    else:
       assert result[mesh]["shard_model_rel_err"] <= 1e-5, (mesh, result[mesh])
       assert result[mesh]["plan_sizes"]["expert"] == 1, (mesh, result[mesh])
   if fixture == "flat_local2_b128":
@@ -266,6 +268,7 @@ def test_fp32_expert_operands_are_prepared_per_device_in_the_expert_layout():
   assert result["expert=4,tensor=2"]["gate_up_spec"] == "P(('expert', 'tensor'), None, None)"
 
 
+@pytest.mark.slow
 def test_sharded_steps_lower_to_mosaic_gpu_kernels_on_every_mesh():
   """The 8-GPU programs (real M3 dims, 4 layers) lowered for CUDA on 8 CPU devices: in a decode step and a
   prefill every attention, indexer and MoE op runs its Mosaic GPU kernel inside shard_map on each mesh. The
@@ -297,6 +300,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_reproduce_single_process_logits():
   port = str(_free_port())
   env = {**os.environ, "PYTHONPATH": str(REPO), "M3JAX_TEST_DEVICES": "2"}
