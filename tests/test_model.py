@@ -35,11 +35,12 @@ def test_cached_forward_matches_full_forward():
   full = model(ids)
   caches = model.init_caches(2, 128)
   pos = jnp.broadcast_to(jnp.arange(90, dtype=jnp.int32), (2, 90))
-  out = model.forward(ids[:, :50], positions=pos[:, :50], caches=caches)
+  forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))  # 2 programs, not op by op
+  out = forward(ids[:, :50], pos[:, :50], caches)
   logits = [out.logits]
   caches = out.caches
   for t in range(50, 90, 8):  # chunks of 8 new tokens against the cache
-    out = model.forward(ids[:, t:t + 8], positions=pos[:, t:t + 8], caches=caches)
+    out = forward(ids[:, t:t + 8], pos[:, t:t + 8], caches)
     caches = out.caches
     logits.append(out.logits)
   np.testing.assert_allclose(jnp.concatenate(logits, 1), full, rtol=1e-5, atol=1e-5)
