@@ -55,6 +55,7 @@ def _settings(**kw) -> TrainConfig:
 
 @pytest.mark.parametrize("content, match", [(b"", "holds no text"), (b"\n \n\n", "holds no text"),
                                             (b"fine text\n\n\xff\xfe bad", "not UTF-8 text")])
+@pytest.mark.quick
 def test_bad_corpus_fails_before_any_step(tmp_path, content, match):
   (tmp_path / "c.txt").write_bytes(content)
   with pytest.raises(data.CorpusError, match=match):
@@ -95,6 +96,7 @@ def test_cli_reports_one_line_and_refuses_a_foreign_directory(tmp_path, corpus, 
   assert "max_position_embeddings" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_packing_and_batch_order_are_deterministic():
   packed = data.pack_documents([[5, 6, 7], [8], [9, 10]], seq_len=4, bos=1, eos=2, what="training")
   np.testing.assert_array_equal(packed.rows, [[1, 5, 6, 7], [2, 1, 8, 2], [1, 9, 10, 2]])

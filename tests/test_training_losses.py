@@ -101,6 +101,7 @@ def test_indexer_alignment_loss_matches_torch(model, hf, phase):
         assert not np.any(np.asarray(var.get_value())), path
 
 
+@pytest.mark.quick
 def test_alignment_loss_is_zero_at_the_target_and_ignores_invisible_blocks():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(2, 5, 3, 4)).astype(np.float32)
@@ -116,6 +117,7 @@ def test_alignment_loss_is_zero_at_the_target_and_ignores_invisible_blocks():
   assert float(indexer_alignment_loss(target, scores, sel)) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.quick
 def test_router_balancing_moves_bias_towards_underloaded_experts():
   ids = jnp.array([[[0, 1], [0, 2], [0, 1]]])  # expert 0 in every token, 3 never
   load = expert_load(ids, 4)
