@@ -17,13 +17,12 @@ __all__ = ["ConfigError", "Conversation", "Decoder", "ForwardOutput", "GenerateO
 def load(path, **kwargs):
   """Loads an M3 checkpoint directory (original MiniMax or HF safetensors layout). See m3jax.checkpoint.load.
 
-  With ``mesh=`` (m3jax.sharding.make_mesh), parameters are restored straight into their shards under
-  m3jax.sharding.RULES (or ``axis_rules=``) and the model runs sharded (m3jax.sharding.load).
+  With ``mesh=`` (m3jax.sharding.make_mesh, or a jax Mesh lacking some of the axes data / expert / tensor),
+  parameters are restored straight into their shards under m3jax.sharding.RULES (or ``axis_rules=``) and the
+  model runs sharded (m3jax.checkpoint.loader.load_on_mesh).
   """
+  from m3jax.checkpoint import loader  # pylint: disable=g-import-not-at-top
+
   if kwargs.get("mesh") is not None and kwargs.get("shardings") is None:
-    from m3jax import sharding  # pylint: disable=g-import-not-at-top
-
-    return sharding.load(path, **kwargs)
-  from m3jax.checkpoint.loader import load as _load  # pylint: disable=g-import-not-at-top
-
-  return _load(path, **kwargs)
+    return loader.load_on_mesh(path, **kwargs)
+  return loader.load(path, **kwargs)

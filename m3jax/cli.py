@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `m3jax --help` lists them.
-COMMANDS = ("demo", "generate", "batch", "chat", "serve", "score", "forward", "convert", "inspect", "export")
+COMMANDS = ("demo", "generate", "batch", "chat", "serve", "score", "forward", "convert", "inspect", "export", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,6 @@
-"""The built-in demo: a tiny M3 checkpoint (original MiniMax layout, deterministic random weights, a small
-BPE tokenizer trained on bundled text) that exercises the whole pipeline end to end."""
+"""The built-in demo: the small trained M3 when the package carries it (``trained_demo_checkpoint``), else a tiny
+M3 checkpoint (original MiniMax layout, deterministic random weights, a small BPE tokenizer trained on bundled
+text) that exercises the whole pipeline end to end."""
 
 from __future__ import annotations
 
@@ -15,11 +16,22 @@ from m3jax import config as m3config
 from m3jax.checkpoint.writer import write_checkpoint
 from m3jax.model import M3ForCausalLM
 
+# Where the small trained M3 lives inside the package (scripts/train_small.sh makes it; an m3jax checkpoint).
+TRAINED_DEMO = "assets/m3-small-kjv"
+TRAINED_DEMO_PROMPT = "And God said"
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<user>", "<assistant>"]
 # M3's vision markers (the placeholder, video placeholder, and the image start / end tokens).
 VISION_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def trained_demo_checkpoint() -> str | None:
+  """The packaged small trained M3 (a complete m3jax checkpoint at m3jax/TRAINED_DEMO), or None without one."""
+  from m3jax.checkpoint.converted import is_converted  # pylint: disable=g-import-not-at-top
+
+  path = os.fspath(resources.files("m3jax").joinpath(TRAINED_DEMO))
+  return path if is_converted(path) else None
 
 
 def train_demo_tokenizer(vocab_size: int = 384) -> Tokenizer:

@@ -24,6 +24,7 @@ from m3jax.token_ids import resolve_stop_ids, token_list
 
 _MIN_BUCKET = 16
 _CACHE_ALIGN = 128
+_MIN_TOKEN_BUFFER = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int
   for i, p in enumerate(prompts):
     padded[i, : len(p)] = p
   return padded, lengths
+
+
+def token_buffer_width(max_new_tokens: int) -> int:
+  """Width of generate's on-device token buffer: the next power of two >= max_new_tokens (at least 32). The
+  decode loop stops at max_new_tokens (a traced value), so calls whose max_new_tokens share a width (and whose
+  prompts share a bucket and a cache length) share one compiled program."""
+  return max(_MIN_TOKEN_BUFFER, 1 << (max(max_new_tokens, 1) - 1).bit_length())
 
 
 def cache_length_for(prompt_bucket: int, max_new_tokens: int) -> int:
@@ -201,10 +209,11 @@ def _decode(model: M3ForCausalLM, tokens: jax.Array, positions: jax.Array, cache
   return out.logits[:, 0], out.caches
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "sampling", "cache_len", "chunk"))
-def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "sampling", "cache_len", "chunk"))
+def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens, *, width: int,
                   sampling: SamplingParams, cache_len: int, chunk: int | None = None):
-  """The whole generation loop (prefill + lax.while_loop of decode steps) as one XLA program."""
+  """The whole generation loop (prefill + lax.while_loop of decode steps) as one XLA program: tokens int32
+  [B, width] (pad_id past ``max_new_tokens``, an int32 scalar <= width), lengths int32 [B]."""
   model = nnx.merge(graphdef, state)
   b = prompt.shape[0]
   logits, caches = _prefill(model, prompt, lengths, cache_len, embeds, chunk)
@@ -224,7 +233,7 @@ def _generate_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds
     logits, caches = _decode(model, tok, lengths + step, caches, prepared)
     return step + 1, logits, caches, tokens, new_lengths, done, key
 
-  init = (jnp.int32(0), logits, caches, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+  init = (jnp.int32(0), logits, caches, jnp.full((b, width), pad_id, jnp.int32),
           jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), key)
   _, _, _, tokens, new_lengths, _, _ = jax.lax.while_loop(cond, body, init)
   return sharding.replicated(tokens, model.sharding_plan), sharding.replicated(new_lengths, model.sharding_plan)
@@ -275,9 +284,9 @@ def generate(
   put = _put_fn(model)
   tokens, new_lengths = _generate_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)), put(eos_arr),
-      put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens,
-      sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
-  return GenerateOutput(tokens=np.asarray(tokens), lengths=np.asarray(new_lengths))
+      put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded), put(np.int32(max_new_tokens)),
+      width=token_buffer_width(max_new_tokens), sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
+  return GenerateOutput(tokens=np.asarray(tokens)[:, :max_new_tokens], lengths=np.asarray(new_lengths))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "chunk"))

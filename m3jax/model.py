@@ -130,7 +130,8 @@ class M3ForCausalLM(nnx.Module):
   def mtp_forward(self, next_ids: jax.Array, prev_hidden: jax.Array, *, positions: jax.Array,
                   caches: tuple[LayerCache, ...] | None = None, step: int = 0, logits_at: jax.Array | None = None,
                   decode_weights: Sequence[DecodeWeights] | None = None,
-                  next_embeds: jax.Array | None = None) -> ForwardOutput:
+                  next_embeds: jax.Array | None = None, collect: Collect | None = None,
+                  dense_attention: bool = False) -> ForwardOutput:
     """One draft step of MTP module ``step % num_mtp_modules`` (M3_SPEC §8).
 
     Args:
@@ -145,10 +146,13 @@ class M3ForCausalLM(nnx.Module):
       next_embeds: optional [B, S, H] embeddings of x_{t+1} replacing the token embeddings of next_ids (a
         multimodal prompt's ``embed_multimodal`` output shifted left by one: image / video features, as the
         target read them one position later); next_ids is still checked.
+      collect: research intermediates of the module's layer (m3jax.research.Collect), as ``forward``'s.
+      dense_attention: the module's sparse layer attends densely (``forward``'s; indexer warm-up training).
 
     Returns:
       ForwardOutput: logits fp32 [B, S, V] (distribution of x_{t+2}); hidden [B, S, H] (the module's output
-      before its final norm, what a next draft step reads); caches with module ``step % n``'s updated.
+      before its final norm, what a next draft step reads); caches with module ``step % n``'s updated;
+      intermediates: (the layer's record,) when ``collect`` is given.
     """
     modules = self._mtp_modules()
     _check_ids(next_ids, self.config.text.vocab_size)
@@ -161,14 +165,16 @@ class M3ForCausalLM(nnx.Module):
     i = step % len(modules)
     module = modules[i]
     embeds = self.embed_tokens(next_ids) if next_embeds is None else next_embeds.astype(self.dtype)
-    out, cache = module(embeds, prev_hidden, positions=positions,
-                        cache=None if caches is None else caches[i],
-                        prepared=None if decode_weights is None else decode_weights[i])
+    out, cache, record = module(embeds, prev_hidden, positions=positions,
+                                cache=None if caches is None else caches[i],
+                                prepared=None if decode_weights is None else decode_weights[i], collect=collect,
+                                dense_attention=dense_attention)
     if logits_at is not None:
       out = _at_index(out, logits_at)
     logits = self._lm_logits(module.final_norm(out))
     new_caches = None if caches is None else tuple(cache if j == i else c for j, c in enumerate(caches))
-    return ForwardOutput(logits=logits, caches=new_caches, hidden=out)
+    return ForwardOutput(logits=logits, caches=new_caches, hidden=out,
+                         intermediates=None if collect is None else (record,))
 
   def _mtp_modules(self) -> nnx.List:
     if self.mtp is None:
@@ -205,6 +211,7 @@ class M3ForCausalLM(nnx.Module):
       logits_at: jax.Array | None = None,
       collect: Collect | None = None,
       decode_weights: Sequence[DecodeWeights] | None = None,
+      dense_attention: bool = False,
   ) -> ForwardOutput:
     """Runs the backbone.
 
@@ -219,6 +226,8 @@ class M3ForCausalLM(nnx.Module):
       collect: research intermediates to record (m3jax.research.Collect); off by default.
       decode_weights: ``decode_weights()`` built once outside a decode loop; by default each layer prepares
         its weights itself (fuses its projection weights, splits fp32 expert weights for the kernels).
+      dense_attention: sparse layers attend densely (causal, no block selection): the dense warm-up phase of
+        indexer training (m3jax.training). Off by default (M3's own sparse attention).
 
     Returns:
       ForwardOutput with fp32 logits [B, S, V] (or [B, 1, V] with logits_at).
@@ -242,7 +251,8 @@ class M3ForCausalLM(nnx.Module):
     new_caches, records = [], []
     for i, layer in enumerate(self.layers):
       h, c, record = layer(h, positions=positions, cos=cos, sin=sin, cache=None if caches is None else caches[i],
-                           collect=collect, prepared=None if decode_weights is None else decode_weights[i])
+                           collect=collect, prepared=None if decode_weights is None else decode_weights[i],
+                           dense_attention=dense_attention)
       new_caches.append(c)
       records.append(record)
     hidden = self.final_norm(h)

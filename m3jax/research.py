@@ -13,7 +13,13 @@ dict per layer, holding only what was asked for (all jit-compatible; nothing is 
                                                         [start, stop) as the layer computes them (sparse
                                                         layers: restricted to the selected blocks)
   dense_probs     sparse layers   fp32  [B, Nq, Q, Sk]  dense causal probabilities of the same queries
-Sk is the key length (the cache length when a cache is used).
+  alignment_target sparse layers  fp32  [B, S, Hi, nb]  ``indexer_alignment``: dense causal attention mass per
+                                                        key block, summed over each KV group's heads and
+                                                        divided by their number (sums to 1 per row); no gradient
+  alignment_scores sparse layers  fp32  [B, S, Hi, nb]  ``indexer_alignment``: the indexer's block-max scores
+                                                        computed from the layer input with its gradient stopped
+                                                        (-inf = not visible): gradients reach the indexer only
+Sk is the key length (the cache length when a cache is used); nb = ceil(Sk / index_block_size).
 
 ``selection_locality`` summarises recorded ``block_ids`` in the terms that bound the sparse attention
 kernel's prefill speed (BENCHMARKS.md, "Sparse prefill against selection locality").
@@ -38,6 +44,7 @@ class Collect:
   block_scores: bool = False
   routing: bool = False
   residual: bool = False
+  indexer_alignment: bool = False  # alignment_target / alignment_scores (m3jax.training.indexer_alignment_loss)
   attention_queries: tuple[int, int] | None = None  # [start, stop) query indices for attn_probs / dense_probs
 
   def __post_init__(self):
@@ -66,6 +73,23 @@ def attention_probs(q: jax.Array, k: jax.Array, positions: jax.Array, scale: flo
     allowed = jnp.repeat(jnp.transpose(mask, (0, 2, 1, 3)), nq // nkv, axis=1)
   logits = jnp.where(allowed, logits, -jnp.inf)
   return jax.nn.softmax(logits, axis=-1)
+
+
+def block_attention_mass(q: jax.Array, k: jax.Array, positions: jax.Array, scale: float, block_size: int
+                         ) -> jax.Array:
+  """Dense causal attention mass per key block and KV group: fp32 [B, Q, Nkv, nb], nb = ceil(Sk / block_size).
+
+  The softmax probabilities of queries q [B, Q, Nq, D] over keys k [B, Sk, Nkv, D] (key slot j visible iff
+  j <= position), summed over each key block and over the Nq / Nkv query heads of a group, divided by that
+  head count: each (query, group) row sums to 1. What the lightning indexer of group g should predict.
+  """
+  b, nq_len, nq, _ = q.shape
+  sk, nkv = k.shape[1], k.shape[2]
+  nb = -(-sk // block_size)
+  probs = attention_probs(q, k, positions, scale)  # [B, Nq, Q, Sk]
+  probs = jnp.pad(probs, [(0, 0)] * 3 + [(0, nb * block_size - sk)])
+  per_block = probs.reshape(b, nkv, nq // nkv, nq_len, nb, block_size).sum(axis=(2, 5))  # [B, Nkv, Q, nb]
+  return jnp.transpose(per_block, (0, 2, 1, 3)) / (nq // nkv)
 
 
 def mass_outside_selection(intermediates, layer: int) -> jax.Array:

@@ -1,6 +1,7 @@
 """Mesh, logical-axis rules and sharding helpers: the one place where logical axis names meet mesh axes.
 
-Mesh: three named axes ``("data", "expert", "tensor")`` (any may be 1), built by ``make_mesh``:
+Mesh: three named axes ``("data", "expert", "tensor")`` (any may be 1), built by ``make_mesh``; a mesh of
+your own (``jax.make_mesh((8,), ("tensor",))``) may lack some of them: a missing axis counts as size 1.
   * data: the batch (data parallelism); weights are replicated over it.
   * expert: routed experts (expert parallelism, split over ``expert x tensor``); outside the MoE it
     carries the batch when the batch divides (DP attention), and query tokens under RULES_SP.
@@ -141,7 +142,19 @@ def make_mesh(shape: str | Mapping[str, int] | None = None, *, devices: Sequence
 
 
 def mesh_sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
-  return dict(mesh.shape) if isinstance(mesh, Mesh) else parse_mesh(mesh)
+  """{axis: size} over MESH_AXES (an axis the mesh lacks is 1), then any other axes of a Mesh."""
+  if not isinstance(mesh, Mesh):
+    return parse_mesh(mesh)
+  return {**{name: 1 for name in MESH_AXES}, **dict(mesh.shape)}
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis of type Auto (same devices and names); itself when it already is. jax.make_mesh's
+  default is Explicit, under which the model's ops raise (see the module docstring)."""
+  auto = (jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  if tuple(mesh.axis_types) == auto:
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
 # ------------------------------------------------------------------------------------------------- plans
@@ -194,14 +207,21 @@ def spec_axes(entry: AxisTarget) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
-  """A mesh and the rules mapping logical names onto it (hashable: a static attribute of the model)."""
+  """A mesh and the rules mapping logical names onto it (hashable: a static attribute of the model).
+
+  The mesh is kept with Auto axis types (``auto_axes``); axes of MESH_AXES it lacks count as size 1, so the
+  rules' targets on them are dropped (a ``("tensor",)`` mesh is tensor parallelism only).
+  """
 
   mesh: Mesh
   rules: Rules = RULES
 
+  def __post_init__(self) -> None:
+    object.__setattr__(self, "mesh", auto_axes(self.mesh))
+
   @property
   def sizes(self) -> dict[str, int]:
-    return dict(self.mesh.shape)
+    return mesh_sizes(self.mesh)
 
   @property
   def is_trivial(self) -> bool:
@@ -378,31 +398,19 @@ def param_shardings(model: Any, plan: ShardingPlan) -> dict[tuple[Any, ...], Nam
 def shard_model(model: Any, mesh: Mesh, rules: Rules = RULES) -> Any:
   """Lays an in-memory model's parameters out on ``mesh`` (device_put per parameter) and attaches the plan.
 
-  For checkpoints use ``m3jax.load(path, mesh=mesh)``, which restores straight into sharded arrays.
+  For checkpoints use ``m3jax.load(path, mesh=mesh)``, which restores straight into sharded arrays. ``mesh``
+  may lack some of MESH_AXES (size 1).
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   plan = ShardingPlan(mesh, tuple(rules))
-  check_config(model.config, mesh, plan.rules)
+  check_config(model.config, plan.mesh, plan.rules)
   state = nnx.state(model)
   flat = nnx.to_flat_state(state)
   for _, var in flat:
     var.set_value(jax.device_put(var.get_value(), NamedSharding(plan.mesh, param_spec(var, plan))))
   nnx.update(model, nnx.from_flat_state(flat))
   model.sharding_plan = plan
-  return model
-
-
-def load(path: Any, *, mesh: Mesh, axis_rules: Rules | None = None, **kwargs: Any) -> Any:
-  """``m3jax.load`` with a mesh: checks the mesh against config.json, restores every parameter straight into
-  its shard (m3jax.checkpoint loader with these rules), and attaches the plan to the model."""
-  from m3jax.checkpoint.loader import load as _load  # pylint: disable=g-import-not-at-top
-  from m3jax.config import M3Config  # pylint: disable=g-import-not-at-top
-
-  rules = RULES if axis_rules is None else tuple(axis_rules)
-  check_config(M3Config.from_file(path), mesh, rules)
-  model = _load(path, mesh=mesh, axis_rules=rules, **kwargs)
-  model.sharding_plan = ShardingPlan(mesh, rules)
   return model
 
 

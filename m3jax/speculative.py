@@ -36,7 +36,7 @@ from flax import nnx
 
 from m3jax import sharding
 from m3jax.generate import (Decoder, _GraphKey, _put_embeds, _put_fn, _validate, check_prefill_chunk, pad_prompts,
-                            prefill_in_chunks, stop_ids)
+                            prefill_in_chunks, stop_ids, token_buffer_width)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, filtered_logits, sample
 
@@ -105,11 +105,12 @@ def _accept(target_logits: jax.Array, drafts: jax.Array, draft_logits: jax.Array
 
 
 def speculative_round(model: M3ForCausalLM, c: dict[str, jax.Array], prepared, mtp_prepared, eos_ids: jax.Array, *,
-                      num_draft: int, sampling: SamplingParams, max_new_tokens: int) -> dict[str, jax.Array]:
+                      num_draft: int, sampling: SamplingParams, max_new_tokens: jax.Array | int
+                      ) -> dict[str, jax.Array]:
   """One round (draft, verify, accept, catch up) of ``generate_speculative``'s loop on its carry ``c``: key, tokens
-  [B, max_new_tokens], produced [B], done [B], caches, mtp_caches, draft_logits [B, V] and mtp_hidden [B, H] (the
-  MTP output that gives d_1), p [B] (position of x_p), x_p [B], round, drafts [B, R, k], accepted [B, R].
-  ``prepared`` / ``mtp_prepared``: ``decode_weights()`` / ``mtp_decode_weights()``."""
+  [B, W] (W >= max_new_tokens, which may be traced; slots past it stay pad), produced [B], done [B], caches,
+  mtp_caches, draft_logits [B, V] and mtp_hidden [B, H] (the MTP output that gives d_1), p [B] (position of x_p),
+  x_p [B], round, drafts [B, R, k], accepted [B, R]. ``prepared`` / ``mtp_prepared``: ``decode_weights()`` / ``mtp_decode_weights()``."""
   k = num_draft
   rows = jnp.arange(c["p"].shape[0])
   key, sub = jax.random.split(c["key"])
@@ -134,7 +135,7 @@ def speculative_round(model: M3ForCausalLM, c: dict[str, jax.Array], prepared, m
   stops = live & jnp.isin(emitted, eos_ids)
   count = jnp.where(jnp.any(stops, axis=1), jnp.argmax(stops, axis=1) + 1, n + 1)
   count = jnp.where(c["done"], 0, jnp.minimum(count, max_new_tokens - c["produced"]))
-  slots = jnp.where(idx[None] < count[:, None], c["produced"][:, None] + idx[None], max_new_tokens + k + 1)
+  slots = jnp.where(idx[None] < count[:, None], c["produced"][:, None] + idx[None], c["tokens"].shape[1] + k + 1)
   tokens = c["tokens"].at[rows[:, None], slots].set(emitted, mode="drop")
   produced = c["produced"] + count
   active = ~c["done"]
@@ -153,11 +154,12 @@ def speculative_round(model: M3ForCausalLM, c: dict[str, jax.Array], prepared, m
 
 
 def _start(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, key: jax.Array, eos_ids: jax.Array,
-           pad_id: jax.Array, embeds: jax.Array | None, *, max_new_tokens: int, num_draft: int,
+           pad_id: jax.Array, embeds: jax.Array | None, max_new_tokens: jax.Array, *, width: int, num_draft: int,
            sampling: SamplingParams, cache_len: int, chunk: int | None = None) -> dict[str, jax.Array]:
   """Prefill of the target and of the MTP module -> the round loop's initial carry (``speculative_round``).
   prompt int32 [B, S] right-padded, lengths [B]; embeds: optional multimodal prompt embeddings [B, S, H];
-  chunk: both prefills in chunks of this many tokens (``generate.prefill_in_chunks``)."""
+  max_new_tokens: int32 scalar <= width (the token buffer's, ``token_buffer_width``); chunk: both prefills in
+  chunks of this many tokens (``generate.prefill_in_chunks``)."""
   b = prompt.shape[0]
   rows = jnp.arange(b)
 
@@ -185,21 +187,21 @@ def _start(model: M3ForCausalLM, prompt: jax.Array, lengths: jax.Array, key: jax
 
   (draft_logits, mtp_hidden), _, mtp_caches = prefill_in_chunks(
       drafter, (next_ids, hidden, next_embeds), lengths, model.init_mtp_caches(b, cache_len), chunk)
-  # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 rounds follow the prefill.
-  max_rounds = max(max_new_tokens - 1, 1)
-  return dict(key=key, tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first),
+  # Every round gives each live sequence >= 1 token, so at most max_new_tokens - 1 <= width - 1 rounds follow
+  # the prefill.
+  max_rounds = max(width - 1, 1)
+  return dict(key=key, tokens=jnp.full((b, width), pad_id, jnp.int32).at[:, 0].set(first),
               produced=jnp.ones((b,), jnp.int32), done=jnp.isin(first, eos_ids) | (max_new_tokens <= 1),
               caches=caches, mtp_caches=mtp_caches, draft_logits=draft_logits, mtp_hidden=mtp_hidden,
               p=lengths, x_p=first, round=jnp.int32(0), drafts=jnp.full((b, max_rounds, num_draft), -1, jnp.int32),
               accepted=jnp.full((b, max_rounds), -1, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "num_draft", "sampling", "cache_len",
-                                             "chunk"))
-def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=("graphdef", "width", "num_draft", "sampling", "cache_len", "chunk"))
+def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens, *, width: int,
                      num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None = None):
   model = nnx.merge(graphdef, state)
-  init = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
+  init = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens, width=width,
                 num_draft=num_draft, sampling=sampling, cache_len=cache_len, chunk=chunk)
   prepared, mtp_prepared = model.decode_weights(), model.mtp_decode_weights()
 
@@ -270,24 +272,25 @@ def generate_speculative(
   tokens, produced, rounds, drafts, accepted = _speculative_jit(
       graphdef, state, put(padded), put(lengths), put(jax.random.key(seed)),
       put(stop_ids(model, eos_token_ids)), put(np.int32(pad_token_id)), _put_embeds(put, prompt_embeds, padded),
-      max_new_tokens=max_new_tokens, num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len,
-      chunk=prefill_chunk)
+      put(np.int32(max_new_tokens)), width=token_buffer_width(max_new_tokens), num_draft=num_draft_tokens,
+      sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
   r = int(rounds)
-  return SpeculativeOutput(tokens=np.asarray(tokens), lengths=np.asarray(produced), drafts=np.asarray(drafts)[:, :r],
+  return SpeculativeOutput(tokens=np.asarray(tokens)[:, :max_new_tokens], lengths=np.asarray(produced),
+                           drafts=np.asarray(drafts)[:, :r],
                            accepted_drafts=np.asarray(accepted)[:, :r])
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "max_new_tokens", "num_draft", "sampling", "cache_len", "chunk"))
-def _start_jit(graph: _GraphKey, params, prompt, lengths, key, eos_ids, pad_id, embeds, *, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=("graph", "width", "num_draft", "sampling", "cache_len", "chunk"))
+def _start_jit(graph: _GraphKey, params, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens, *, width: int,
                num_draft: int, sampling: SamplingParams, cache_len: int, chunk: int | None = None):
   model = graph.merge(params)
-  carry = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens=max_new_tokens,
+  carry = _start(model, prompt, lengths, key, eos_ids, pad_id, embeds, max_new_tokens, width=width,
                  num_draft=num_draft, sampling=sampling, cache_len=cache_len, chunk=chunk)
   return carry, model.mtp_decode_weights(), _summary(carry, model.sharding_plan)
 
 
 def _summary(c: dict[str, jax.Array], plan) -> dict[str, jax.Array]:
-  """What the host reads after a call, replicated: tokens [B, max_new_tokens], produced [B], done [B], rounds [B]
+  """What the host reads after a call, replicated: tokens [B, W] (the first ``produced`` are real), produced [B], done [B], rounds [B]
   and accepted drafts [B] so far."""
   summary = dict(tokens=c["tokens"], produced=c["produced"], done=c["done"],
                  rounds=jnp.sum(c["accepted"] >= 0, axis=1), accepted=jnp.sum(jnp.maximum(c["accepted"], 0), axis=1))
@@ -297,10 +300,9 @@ def _summary(c: dict[str, jax.Array], plan) -> dict[str, jax.Array]:
 _CACHES = ("caches", "mtp_caches")
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "num_rounds", "num_draft", "sampling", "max_new_tokens"),
-                   donate_argnames=_CACHES)
-def _rounds_jit(graph: _GraphKey, params, prepared, mtp_prepared, carry, caches, mtp_caches, eos_ids, *,
-                num_rounds: int, num_draft: int, sampling: SamplingParams, max_new_tokens: int):
+@functools.partial(jax.jit, static_argnames=("graph", "num_rounds", "num_draft", "sampling"), donate_argnames=_CACHES)
+def _rounds_jit(graph: _GraphKey, params, prepared, mtp_prepared, carry, caches, mtp_caches, eos_ids, max_new_tokens,
+                *, num_rounds: int, num_draft: int, sampling: SamplingParams):
   """``num_rounds`` rounds in one call -> (carry without its caches, caches, mtp_caches, ``_summary``)."""
   model = graph.merge(params)
 
@@ -348,10 +350,11 @@ def generate_speculative_stream(
   decoder = Decoder.of(model)
   put = decoder.put
   eos_ids = put(stop_ids(model, eos_token_ids))
+  limit = put(np.int32(max_new_tokens))
   carry, mtp_prepared, summary = _start_jit(
       decoder.graph, decoder.params, put(padded), put(lengths), put(jax.random.key(seed)), eos_ids, put(np.int32(0)),
-      _put_embeds(put, prompt_embeds, padded), max_new_tokens=max_new_tokens, num_draft=num_draft_tokens,
-      sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
+      _put_embeds(put, prompt_embeds, padded), limit, width=token_buffer_width(max_new_tokens),
+      num_draft=num_draft_tokens, sampling=sampling, cache_len=cache_len, chunk=prefill_chunk)
   caches, mtp_caches = carry.pop("caches"), carry.pop("mtp_caches")
   shown = np.zeros(len(lengths), np.int64)  # tokens yielded per sequence
   done, chunk = _read(summary, shown, stats)
@@ -360,7 +363,7 @@ def generate_speculative_stream(
   while not done.all():
     carry, caches, mtp_caches, summary = _rounds_jit(
         decoder.graph, decoder.params, decoder.decode_weights, mtp_prepared, carry, caches, mtp_caches, eos_ids,
-        num_rounds=rounds_per_call, num_draft=num_draft_tokens, sampling=sampling, max_new_tokens=max_new_tokens)
+        limit, num_rounds=rounds_per_call, num_draft=num_draft_tokens, sampling=sampling)
     if pending is not None:
       done, chunk = _read(pending, shown, stats)
       yield chunk

@@ -13,9 +13,17 @@ For every fixture this script
    to prove the files reproduce the in-memory logits bit for bit;
 4. writes ``reference.npz`` (input_ids, logits, gen_prompt_lens, gen_tokens) and ``meta.json``.
 
+``--gradients NAME ...`` instead reloads committed fixtures and writes ``gradients.npz`` beside them (the training
+references of m3jax.training, tests/test_training_losses.py): HF's loss with ``labels=input_ids`` and torch
+autograd's gradients of it for a few parameters under their HF in-memory names (``grad/<name>``; a parameter the
+loss does not reach, such as the indexer's, is stored as zeros and listed in ``no_grad``), plus the indexer
+alignment loss of m3jax.training restated in torch on HF's modules (per sparse layer, dense and sparse phase)
+with its gradients of that layer's indexer projections.
+
 Run with the HF reference venv (torch CPU + transformers 5.23.0), from the repository root::
 
   /tmp/venvref/bin/python scripts/make_hf_fixtures.py --out-dir tests/fixtures
+  /tmp/venvref/bin/python scripts/make_hf_fixtures.py --out-dir tests/fixtures --gradients flat_b16
 
 This file is a generator only; tests never import it.
 """
@@ -696,16 +704,146 @@ def make_fixture(spec: FixtureSpec, out_dir: str, max_tries: int) -> dict[str, A
   return meta
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Training references (--gradients)
+# ----------------------------------------------------------------------------------------------------------------
+
+# Parameters whose gradients are recorded (HF in-memory names; {L} = the last MoE layer, {S} = the last sparse one).
+GRAD_PARAMS = ("model.language_model.embed_tokens.weight", "lm_head.weight",
+               "model.language_model.layers.{L}.mlp.experts.gate_up_proj",
+               "model.language_model.layers.{L}.mlp.experts.down_proj",
+               "model.language_model.layers.{L}.mlp.gate.weight",
+               "model.language_model.layers.{S}.self_attn.indexer.q_proj.weight",
+               "model.language_model.layers.{S}.self_attn.indexer.k_proj.weight")
+
+
+def alignment_loss_torch(attn: torch.nn.Module, x: torch.Tensor, position_embeddings, positions: torch.Tensor,
+                         selected: torch.Tensor | None) -> torch.Tensor:
+  """m3jax.training's indexer alignment loss for one sparse layer, restated on HF's modules.
+
+  x: the layer's normed attention input [B, S, H]. Target: the dense causal attention of the layer's q / k
+  (detached), summed per key block and over each KV group's heads / their count. Prediction: log-softmax of the
+  indexer's block-max scores over the candidate blocks (visible ones; with ``selected`` [B, G, S, T] (HF's block
+  indices) only the selected ones), computed from the detached input so that only the indexer gets gradients.
+  KL(target || prediction) averaged over the (batch, group, query) rows with at least two candidate blocks.
+  """
+  x = x.detach()
+  b, s, _ = x.shape
+  cos, sin = position_embeddings
+  with torch.no_grad():
+    q = attn.q_norm(attn.q_proj(x).view(b, s, -1, attn.head_dim)).transpose(1, 2)
+    k = attn.k_norm(attn.k_proj(x).view(b, s, -1, attn.head_dim)).transpose(1, 2)
+    q, k = hf_m3.apply_rotary_pos_emb(q, k, cos, sin)
+    nq, nkv = q.shape[1], k.shape[1]
+    kk = k.repeat_interleave(nq // nkv, dim=1)
+    logits = torch.matmul(q, kk.transpose(-1, -2)) * attn.scaling
+    future = torch.arange(s)[None, None, None, :] > positions[:, None, :, None]
+    probs = torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)  # [B, Nq, S, S]
+  idx = attn.indexer
+  bs = idx.block_size
+  nb = -(-s // bs)
+  pad = nb * bs - s
+  with torch.no_grad():
+    mass = F.pad(probs, (0, pad)).view(b, nkv, nq // nkv, s, nb, bs).sum(dim=(2, 5)) / (nq // nkv)  # [B,G,S,nb]
+  iq = idx.q_norm(idx.q_proj(x).view(b, s, -1, idx.head_dim)).transpose(1, 2)
+  ik = idx.k_norm(idx.k_proj(x).view(b, s, 1, idx.head_dim)).transpose(1, 2)
+  iq, ik = hf_m3.apply_rotary_pos_emb(iq, ik, cos[..., :idx.head_dim], sin[..., :idx.head_dim])
+  scores = torch.matmul(iq.float(), ik.float().transpose(-1, -2)).masked_fill(future, float("-inf"))
+  scores = F.pad(scores, (0, pad), value=float("-inf")).view(b, -1, s, nb, bs).amax(dim=-1)  # [B, G, S, nb]
+  cand = torch.isfinite(scores)
+  if selected is not None:
+    hit = torch.zeros_like(cand)
+    for t in range(selected.shape[-1]):
+      ids = selected[..., t]
+      hit |= (torch.arange(nb)[None, None, None, :] == ids[..., None]) & (ids[..., None] >= 0)
+    cand &= hit
+  p = torch.where(cand, mass, torch.zeros_like(mass))
+  p = p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+  log_q = torch.log_softmax(scores.masked_fill(~cand, float("-inf")), dim=-1)
+  safe_p = torch.where(p > 0, p, torch.ones_like(p))
+  terms = torch.where(p > 0, p * (torch.log(safe_p) - torch.where(cand, log_q, torch.zeros_like(log_q))),
+                      torch.zeros_like(p))
+  rows = (cand.sum(-1) >= 2).float()
+  return (terms.sum(-1) * rows).sum() / rows.sum().clamp_min(1.0)
+
+
+def make_gradients(name: str, out_dir: str) -> dict[str, Any]:
+  """Writes <out_dir>/<name>/gradients.npz from the committed fixture checkpoint and reference inputs."""
+  fdir = os.path.join(out_dir, name)
+  ids = torch.from_numpy(np.load(os.path.join(fdir, "reference.npz"))["input_ids"]).long()
+  model = MiniMaxM3SparseForConditionalGeneration.from_pretrained(
+    os.path.join(fdir, "checkpoint"), dtype=torch.float32, attn_implementation="eager")
+  model.train()  # dropout is 0 in these configs; train() only enables autograd-friendly paths
+  tc = model.config.text_config
+  moe_layer = max(i for i, t in enumerate(tc.mlp_layer_types) if t == "sparse")
+  sparse_layers = [i for i, t in enumerate(tc.layer_types) if t == "minimax_m3_sparse"]
+  names = [n.format(L=moe_layer, S=sparse_layers[-1]) for n in GRAD_PARAMS]
+  params = dict(model.named_parameters())
+  out = model(input_ids=ids, labels=ids, use_cache=False)
+  model.zero_grad()
+  out.loss.backward()
+  arrays: dict[str, np.ndarray] = {"loss": np.asarray(out.loss.item(), np.float64)}
+  no_grad = []
+  for n in names:
+    g = params[n].grad
+    if g is None:
+      no_grad.append(n)
+      g = torch.zeros_like(params[n])
+    arrays[f"grad/{n}"] = g.detach().numpy().astype(np.float32)
+
+  # Alignment loss per sparse layer: capture each attention's input, HF's block indices and the rope tables.
+  captured: dict[int, dict[str, Any]] = {}
+  hooks = []
+  layers = model.model.language_model.layers
+  for i in sparse_layers:
+    attn = layers[i].self_attn
+
+    def pre(mod, args, kwargs, i=i):
+      captured.setdefault(i, {})["x"] = kwargs["hidden_states"]
+      captured[i]["pe"] = kwargs["position_embeddings"]
+
+    def sel(mod, args, result, i=i):
+      captured.setdefault(i, {})["selected"] = result
+
+    hooks.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
+    hooks.append(attn.indexer.register_forward_hook(sel))
+  with torch.no_grad():
+    model(input_ids=ids, use_cache=False)
+  for h in hooks:
+    h.remove()
+  positions = torch.arange(ids.shape[1])[None, :].expand(ids.shape[0], -1)
+  for i in sparse_layers:
+    attn = layers[i].self_attn
+    for phase, selected in (("dense", None), ("sparse", captured[i]["selected"])):
+      model.zero_grad()
+      loss = alignment_loss_torch(attn, captured[i]["x"], captured[i]["pe"], positions, selected)
+      loss.backward()
+      arrays[f"alignment/{i}/{phase}/loss"] = np.asarray(loss.item(), np.float64)
+      for proj in ("q_proj", "k_proj"):
+        arrays[f"alignment/{i}/{phase}/grad/{proj}"] = getattr(attn.indexer, proj).weight.grad.numpy().copy()
+  arrays["no_grad"] = np.asarray(no_grad, dtype=np.str_)
+  arrays["versions"] = np.asarray([f"transformers={transformers.__version__}", f"torch={torch.__version__}"])
+  np.savez_compressed(os.path.join(fdir, "gradients.npz"), **arrays)
+  return {"name": name, "loss": out.loss.item(), "no_grad": no_grad,
+          "alignment": {k: float(v) for k, v in arrays.items() if k.startswith("alignment/") and k.endswith("loss")}}
+
+
 def main() -> None:
   """CLI entry point."""
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--out-dir", default="tests/fixtures", help="where <name>/ fixture folders are written")
   ap.add_argument("--only", nargs="*", choices=sorted(FIXTURES), help="build only these fixtures")
   ap.add_argument("--max-seed-tries", type=int, default=20, help="seeds tried per fixture before giving up")
+  ap.add_argument("--gradients", nargs="+", choices=sorted(FIXTURES), default=None,
+                  help="instead of building fixtures, write gradients.npz for these committed ones")
   args = ap.parse_args()
   torch.use_deterministic_algorithms(True)
   torch.set_num_threads(1)
   transformers.logging.set_verbosity_error()
+  if args.gradients:
+    for name in args.gradients:
+      print(json.dumps(make_gradients(name, args.out_dir)))
+    return
   os.makedirs(args.out_dir, exist_ok=True)
   for name in args.only or list(FIXTURES):
     meta = make_fixture(FIXTURES[name], args.out_dir, args.max_seed_tries)

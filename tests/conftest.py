@@ -112,9 +112,9 @@ def _bound_memory_mappings():
 
 
 def pytest_collection_modifyitems(config, items):
-  """Runs the tests marked ``slow`` (one to six minutes each on a 2-core machine) first. With pytest-xdist
-  handing out one test at a time (``--maxschedchunk 1`` in scripts/test.sh), the workers start the long tests
-  early and fill in with the short ones, instead of a multi-minute test starting late and keeping one worker
-  busy after the other has finished. Order only: nothing is skipped."""
+  """Runs the tests marked ``slow`` (half a minute to a few minutes each on a quiet 2-core machine) first.
+  With pytest-xdist handing out one test at a time (``--maxschedchunk 1`` in scripts/test.sh), the workers
+  start the long tests early and fill in with the short ones, instead of a multi-minute test starting late and
+  keeping one worker busy after the other has finished. Order only: nothing is skipped."""
   del config
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise collection order

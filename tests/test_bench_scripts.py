@@ -35,6 +35,7 @@ def test_scripts_run_with_the_faster_interpret_callbacks():
   assert out.strip().splitlines()[-1] == want, out
 
 
+@pytest.mark.slow
 def test_bench_generate_smoke(tmp_path):
   out = tmp_path / "gen.json"
   run_script("scripts/bench_generate.py", "--smoke", "--kernels", "reference,pallas", "--prefill-lengths", "64",
@@ -171,6 +172,7 @@ def test_bench_full_smoke(tmp_path):
     assert d["roofline_ratio"] == pytest.approx(d["tpot_looped_ms"] / d["roofline_ms"])
 
 
+@pytest.mark.quick
 def test_bench_full_compiler_options_parse():
   parse = _load_script("bench_full").parse_compiler_options
   assert parse([]) is None
@@ -179,6 +181,7 @@ def test_bench_full_compiler_options_parse():
     parse(["xla_gpu_dot_merger_threshold_mb"])
 
 
+@pytest.mark.slow
 def test_bench_full_one_shard_smoke(tmp_path):
   """One GPU's share of a 2-way split on one device: per-GPU figures count the 2 GPUs the shard stands for. MXFP8
   weights, in the expert layout of m3jax's meshes (4 of the 8 experts whole, routing over all 8)."""
@@ -230,6 +233,7 @@ def test_shard_weight_bytes_of_both_layouts():
     layouts.local_experts(dataclasses.replace(t, num_experts=3), 2)
 
 
+@pytest.mark.quick
 def test_decode_weight_bytes_counts_the_experts_touched():
   """Uniform routing's expected count by default; measured counts replace it layer by layer."""
   analysis = _load_script("decode_analysis")
@@ -263,6 +267,7 @@ def test_routed_expert_counts_match_the_recorded_routing():
   assert counts == expected and len(counts) == 3 and len(caches) == cfg.text.num_layers
 
 
+@pytest.mark.quick
 def test_shard_config_divides_widths_and_names_what_does_not_divide():
   bench_full = _load_script("bench_full")
   full = bench_full.model_config(None, False).text
@@ -433,6 +438,7 @@ def test_balance_routing_evens_out_a_skewed_router():
     assert (bias < 0).all() and (bias > -1).all()  # minus a mean sigmoid score
 
 
+@pytest.mark.slow
 def test_bench_speculative_smoke(tmp_path):
   out = tmp_path / "spec.json"
   run_script("scripts/bench_speculative.py", "--smoke", "--rounds", "3", "--concurrency", "2", "--drafts", "1,2",
@@ -461,6 +467,7 @@ def test_estimate_prefill_memory_smoke(tmp_path):
   assert len({r["argument_bytes"] for r in rows}) == 1 and len({r["output_bytes"] for r in rows}) == 1
 
 
+@pytest.mark.slow
 def test_bench_engine_smoke(tmp_path):
   out = tmp_path / "engine.json"
   run_script("scripts/bench_engine.py", "--smoke", "--kernels", "reference", "--out", str(out))

@@ -27,6 +27,7 @@ def ids():
 
 
 @pytest.mark.parametrize("layout", ["original", "hf", "hf_text"])
+@pytest.mark.quick
 def test_layouts_load_to_identical_logits(tmp_path, tiny_model, ids, layout):
   files = write_checkpoint(tiny_model, tmp_path, layout=layout, max_shard_bytes=200_000)
   assert len(files) > 1 and (tmp_path / "model.safetensors.index.json").exists()
@@ -54,6 +55,7 @@ def _rewrite(path, edit):
   save_file(tensors, str(path))
 
 
+@pytest.mark.quick
 def test_missing_tensor_is_named(tmp_path, tiny_model):
   f = _single_file_checkpoint(tmp_path, tiny_model)
   name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight"
@@ -94,6 +96,7 @@ def test_config_that_does_not_match_the_tensors(tmp_path, tiny_model):
     m3jax.load(tmp_path)
 
 
+@pytest.mark.quick
 def test_truncated_file_and_pickles_are_refused(tmp_path, tiny_model):
   f = _single_file_checkpoint(tmp_path, tiny_model)
   data = f.read_bytes()

@@ -20,6 +20,7 @@ def demo_dir(tmp_path_factory):
   return build_demo_checkpoint(tmp_path_factory.mktemp("demo") / "tiny")
 
 
+@pytest.mark.quick
 def test_demo_checkpoint_is_original_layout_with_tokenizer(demo_dir):
   index = json.loads(open(f"{demo_dir}/config.json").read())
   assert index["text_config"]["vocab_size"] == load_tokenizer(demo_dir).get_vocab_size()
@@ -74,6 +75,7 @@ def test_generate_reads_a_prompt_file_and_chunks_its_prefill(capsys, demo_dir, t
   assert "empty.txt: empty prompt" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_cli_errors_are_one_clear_line(capsys, tmp_path):
   assert cli.main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
   assert "no config.json" in capsys.readouterr().err
@@ -118,6 +120,7 @@ def test_forward_reports_and_saves_selections(capsys, demo_dir, tmp_path):
   assert "not both" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_path):
   """--speculative K (with and without an image) prints generate_speculative's tokens and its acceptance."""
   import m3jax
@@ -147,6 +150,7 @@ def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_p
     assert f"acceptance {ref.acceptance_rate:.2f}" in err
 
 
+@pytest.mark.slow
 def test_chat_keeps_its_caches_between_turns(capsys, monkeypatch, demo_dir):
   monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is sparse attention?\n/reset\nHello there\n"))
   assert cli.main(["chat", str(demo_dir), "--max-new-tokens", "6", "--kernels", "reference", "--system",
@@ -171,6 +175,7 @@ def test_chat_keeps_its_caches_between_turns(capsys, monkeypatch, demo_dir):
   assert replies[0] == tok.decode(want, skip_special_tokens=False)
 
 
+@pytest.mark.quick
 def test_chat_needs_a_tokenizer_and_template(capsys, demo_dir, tmp_path):
   ckpt = FIXTURES / "flat_b16" / "checkpoint"
   assert cli.main(["chat", str(ckpt)]) == 2
@@ -207,6 +212,7 @@ def test_score_prints_the_library_perplexity(capsys, demo_dir, tmp_path):
   assert "at least 2 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_batch_writes_each_prompts_own_completion_in_input_order(capsys, demo_dir, tmp_path):
   tok = load_tokenizer(demo_dir)
   requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [5, 6, 7]},
@@ -268,6 +274,7 @@ def test_batch_stop_strings_cut_the_completion_and_its_ids(demo_dir, tmp_path):
     ('{"prompt": ""}', '"prompt" must be a non-empty string'),
     ('{"prompt": "a", "stop": [""]}', 'in.jsonl:2: "stop" must be a non-empty string or a list of them'),
 ])
+@pytest.mark.quick
 def test_batch_names_the_bad_line(capsys, demo_dir, tmp_path, line, message):
   src = tmp_path / "in.jsonl"
   src.write_text('{"prompt": "fine"}\n' + line + "\n")

@@ -6,6 +6,8 @@ import pytest
 
 from m3jax.config import ConfigError, M3Config, m3_full, tiny
 
+pytestmark = pytest.mark.quick  # a cheap file: all of it is in the quick tier
+
 FLAT = {
     "model_type": "minimax_m3_vl",
     "text_config": {

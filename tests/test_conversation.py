@@ -33,6 +33,7 @@ def _alone(model, prompt, n, **kw):
   return out.tokens[0, : out.lengths[0]].tolist()
 
 
+@pytest.mark.quick
 def test_common_prefix_length():
   assert common_prefix_length([], [1, 2]) == 0
   assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
@@ -41,6 +42,7 @@ def test_common_prefix_length():
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 4])
+@pytest.mark.slow
 def test_turns_equal_generate_and_prefill_only_what_is_new(model, ids, steps_per_call):
   conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=steps_per_call)
   prompt = ids[0, :40].tolist()
@@ -97,6 +99,7 @@ def test_a_stop_token_ends_the_reply_and_the_next_turn_continues(model, ids):
   assert conv.last_turn.reused == len(prompt) + len(expected)
 
 
+@pytest.mark.quick
 def test_sampled_conversations_are_reproducible(model, ids):
   runs = []
   for _ in range(2):
@@ -109,6 +112,7 @@ def test_sampled_conversations_are_reproducible(model, ids):
   assert (_reply(conv, ids[0, :30].tolist(), 8), ) != runs[0][:1]
 
 
+@pytest.mark.quick
 def test_bad_requests_fail_before_compute(model, ids):
   with pytest.raises(ValueError, match="max_length must be >= 2"):
     Conversation(model, max_length=1)

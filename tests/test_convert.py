@@ -103,6 +103,7 @@ def test_orbax_state_is_a_plain_orbax_checkpoint_with_an_mtp_subtree(src, dst):
   np.testing.assert_array_equal(gate_up[2, :, :32], w1.T)
 
 
+@pytest.mark.quick
 def test_hf_layout_source_to_bf16(tmp_path, tiny_model):
   write_checkpoint(tiny_model, tmp_path / "hf", layout="hf", max_shard_bytes=200_000)
   summary = convert(tmp_path / "hf", tmp_path / "out", dtype="bfloat16", progress=False)
@@ -115,6 +116,7 @@ def test_hf_layout_source_to_bf16(tmp_path, tiny_model):
     convert(tmp_path / "hf", tmp_path / "out2", layout="original", progress=False)
 
 
+@pytest.mark.quick
 def test_export_is_bit_exact_and_convert_export_convert_round_trips(src, dst, tmp_path):
   summary = export(dst, tmp_path / "exp", max_shard_bytes=100_000, progress=False)
   assert summary.shards > 1
@@ -281,6 +283,7 @@ def _rewrite(path, edit):
   save_file(tensors, str(path))
 
 
+@pytest.mark.quick
 def test_conversion_errors_name_file_and_tensor(tmp_path, tiny_model):
   d, f = _copy_single_file(tmp_path, tiny_model)
   name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight"

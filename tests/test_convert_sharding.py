@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import FIXTURES
 from m3jax.checkpoint.convert import convert
 
@@ -83,6 +85,7 @@ assert n == 2, n
 print("SHARDING-OK")
 """
 
+@pytest.mark.quick
 def test_restore_into_requested_shardings(tmp_path):
   src = FIXTURES / "flat_b16" / "checkpoint"
   dst = tmp_path / "dst"

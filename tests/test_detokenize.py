@@ -9,6 +9,8 @@ from tokenizers import Tokenizer, decoders, models
 from m3jax.demo import train_demo_tokenizer
 from m3jax.detokenize import IncrementalText
 
+pytestmark = pytest.mark.quick  # a cheap file: all of it is in the quick tier
+
 TEXT = "naïve 数据 🙂 ok, the block holds 128 keys; ünïcödé ✓✓ done"
 
 

@@ -151,6 +151,7 @@ def broken_links(doc: Doc) -> list[str]:
   return problems
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("path", list(DOCS), ids=lambda p: str(p.relative_to(REPO)))
 def test_relative_links_resolve(path):
   problems = broken_links(DOCS[path])
@@ -252,6 +253,7 @@ def subparsers() -> dict[str, argparse.ArgumentParser]:
   return dict(action.choices)
 
 
+@pytest.mark.quick
 def test_every_command_shown_exists_with_its_flags_and_its_help_runs():
   parsers = subparsers()
   found = commands()
@@ -272,6 +274,7 @@ def test_every_command_shown_exists_with_its_flags_and_its_help_runs():
   assert not problems, "\n".join(problems)
 
 
+@pytest.mark.quick
 def test_every_subcommand_is_documented():
   shown = {c.subcommand for c in commands() if c.where.startswith(("README.md", "docs/"))}
   assert not set(subparsers()) - shown, f"subcommands no doc shows: {sorted(set(subparsers()) - shown)}"

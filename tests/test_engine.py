@@ -25,6 +25,7 @@ def _alone(model, prompt, n, eos):
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 3])
+@pytest.mark.slow
 def test_every_request_gets_its_own_greedy_tokens_as_slots_are_refilled(model, ids, steps_per_call):
   prompts = [ids[0, :150], ids[1, :37], ids[0, 20:101], ids[1, 90:110], ids[0, :100], ids[1, :64]]
   budgets = [10, 3, 7, 5, 12, 8]
@@ -59,6 +60,7 @@ def test_requests_submitted_while_running_are_served(model, ids):
   assert got[1].tokens.tolist() == _alone(model, ids[1, :50].tolist(), 5, ())
 
 
+@pytest.mark.quick
 def test_bad_requests_fail_at_submit(model):
   engine = Engine(model, slots=2, max_length=64)
   with pytest.raises(ValueError, match=r"request 'x': prompt \(60 tokens\) \+ max_new_tokens \(5\) exceeds"):
@@ -93,6 +95,7 @@ def test_one_prefill_admits_several_requests_padding_rows_dropped(model, ids):
     assert done[i] == _alone(model, p, 5 + i, ())
 
 
+@pytest.mark.quick
 def test_stream_yields_each_requests_tokens_call_by_call(model, ids):
   engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=3)
   budgets = {"a": 7, "b": 4, "c": 5}

@@ -103,6 +103,7 @@ def test_mxfp8_model_on_kernels_matches_the_reference(mode, monkeypatch, caplog)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
 
 
+@pytest.mark.quick
 def test_mxfp8_model_steps_lower_to_fp8_kernels(monkeypatch):
   """A decode step (with the fused decode weights) and a prefill of the MXFP8 model at one GPU's 8-way slice of M3
   (real widths, 1 dense + 3 sparse MoE layers) lower for CUDA with every fp8 weight read by an fp8 kernel: no

@@ -50,6 +50,7 @@ def same_bits(a, b) -> bool:
 # pallas_kernels.quant helpers and the references
 
 
+@pytest.mark.quick
 def test_jnp_and_numpy_quantizers_agree_and_concat_split_invert():
   rng = np.random.default_rng(0)
   w = (rng.standard_normal((3, 40, 80)) * rng.uniform(1e-3, 1e3, size=(3, 40, 1))).astype(np.float32)
@@ -71,6 +72,7 @@ def test_jnp_and_numpy_quantizers_agree_and_concat_split_invert():
   assert quant.concat_block([256, 256], "fp8_block", (128, 128)) == (128, 128)  # aligned: unchanged
 
 
+@pytest.mark.quick
 def test_references_take_quantized_weights():
   rng = np.random.default_rng(1)
   e, h, i, t = 4, 64, 32, 6
@@ -282,6 +284,7 @@ def test_quantize_mxfp8_round_trip(tmp_path):
   assert all(same_bits(c[k], a[k]) for k in a)
 
 
+@pytest.mark.quick
 def test_quantize_refuses_a_quantized_source_and_writes_nothing(tmp_path, capsys):
   src = FIXTURES / "mxfp8_b128" / "checkpoint"
   with pytest.raises(CheckpointError, match=r"--quantize mxfp8: the checkpoint is already quantized \(quant_method "

@@ -11,7 +11,7 @@ from flax import nnx
 import m3jax
 from conftest import FIXTURES
 from m3jax.generate import (_decode_step_jit, _generate_jit, _sample_decode_jit, bucket_length, generate,
-                            generate_stream, prefill)
+                            generate_stream, prefill, token_buffer_width)
 from m3jax.sampling import SamplingParams, sample
 from program_walk import concatenates, hlo_computations, loop_body_computations
 
@@ -77,13 +77,18 @@ def test_prompts_in_the_same_bucket_compile_once(models):
   model = models["flat_b16"]
   ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"]
   assert bucket_length(70) == bucket_length(100) == 128
+  _generate_jit.clear_cache()  # other tests' programs (read back from the persistent cache when needed again)
   generate(model, [ids[0, :70].tolist()], max_new_tokens=5)
-  before = _generate_jit._cache_size()
+  assert _generate_jit._cache_size() == 1
   generate(model, [ids[1, :100].tolist()], max_new_tokens=5)
   generate(model, [ids[0, 3:99].tolist()], max_new_tokens=5, seed=3)
-  assert _generate_jit._cache_size() == before
+  assert _generate_jit._cache_size() == 1
+  # max_new_tokens is traced: 5 and 12 share a token buffer (token_buffer_width) and a cache length
+  assert token_buffer_width(5) == token_buffer_width(12) == 32 and token_buffer_width(33) == 64
+  out = generate(model, [ids[1, :100].tolist()], max_new_tokens=12, eos_token_ids=())
+  assert _generate_jit._cache_size() == 1 and out.tokens.shape == (1, 12) and out.lengths.tolist() == [12]
   generate(model, [ids[0, :140].tolist()], max_new_tokens=5)  # next bucket: one more compile
-  assert _generate_jit._cache_size() == before + 1
+  assert _generate_jit._cache_size() == 2
 
 
 @pytest.mark.parametrize("steps_per_call", [1, 5])  # 5: calls of 5, 5 and 2 steps
@@ -131,11 +136,13 @@ def test_stream_calls_share_one_compile_and_yield_exactly_max_new_tokens(models)
   np.testing.assert_array_equal(tight, generate(model, prompts, max_new_tokens=60, eos_token_ids=()).tokens)
 
 
+@pytest.mark.quick
 def test_stream_rejects_a_bad_steps_per_call(models):
   with pytest.raises(ValueError, match="steps_per_call must be >= 1"):
     next(generate_stream(models["flat_b16"], [[1, 2, 3]], max_new_tokens=4, steps_per_call=0))
 
 
+@pytest.mark.quick
 def test_eos_stops_a_sequence_and_pads(models):
   model = models["flat_b16"]
   ref, prompts = _prompts("flat_b16")
@@ -178,6 +185,7 @@ def test_cache_length_is_block_aligned_under_max_length(models):
     assert out.caches[0].k.shape[1] == slots, (new, max_length, out.caches[0].k.shape)
 
 
+@pytest.mark.quick
 def test_too_long_requests_fail_before_compute(models):
   model = models["flat_b16"]
   with pytest.raises(ValueError, match="longer than the cache"):
@@ -289,8 +297,8 @@ def test_decode_loops_fuse_the_projection_weights_once_outside_the_loop():
   by_layer = [qkv + (t.index_num_heads + 1) * t.index_head_dim * (kind == "sparse") for kind in t.attention_types]
   expected = sorted(by_layer)
   generate_args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32),
-                   jax.random.key(0), jnp.asarray([2], jnp.int32), jnp.int32(0), None)
-  generate_kw = dict(max_new_tokens=4, sampling=SamplingParams(), cache_len=128)
+                   jax.random.key(0), jnp.asarray([2], jnp.int32), jnp.int32(0), None, jnp.int32(4))
+  generate_kw = dict(width=32, sampling=SamplingParams(), cache_len=128)
   found = _weight_concats(_generate_jit.trace(*generate_args, **generate_kw).jaxpr.jaxpr, t.hidden_size)
   in_loop = [width for width, inside in found if inside]
   assert not in_loop, f"[{t.hidden_size}, width] weight concatenations inside generate's decode loop: {in_loop}"

@@ -17,6 +17,7 @@ def relative_error(got: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.mark.parametrize("kernels", ["reference", "pallas"])
 @pytest.mark.parametrize("name", FIXTURE_NAMES)
+@pytest.mark.quick
 def test_fp32_logits_match_hf(name, kernels):
   # "pallas": kernels in interpret mode where they support the fixture's shapes; the rest falls back by rule
   # (tests/test_kernels_in_model.py runs a model where every op is a kernel).
@@ -29,6 +30,7 @@ def test_fp32_logits_match_hf(name, kernels):
   assert err <= 1e-4, f"{name}: max|d|/max|ref| = {err:.2e}"
 
 
+@pytest.mark.quick
 def test_fixtures_cover_what_the_issue_asks():
   meta = {n: json.loads((FIXTURES / n / "meta.json").read_text()) for n in FIXTURE_NAMES}
   cfgs = {n: m3jax.M3Config.from_file(FIXTURES / n / "checkpoint").text for n in FIXTURE_NAMES}

@@ -55,6 +55,7 @@ def test_bf16_model_on_kernels_matches_the_reference_path(caplog):
   assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
 
 
+@pytest.mark.quick
 def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
   """fp32 expert weights run the MoE kernels through a bf16 hi / lo split (3x K). A decode loop builds it once,
   before the loop (``decode_weights``), not per step: XLA:GPU left the per-call split in the compiled while body
@@ -75,8 +76,8 @@ def test_fp32_decode_loop_splits_the_expert_weights_once_outside_the_loop():
 
   graphdef, state = nnx.split(model)
   args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
-          jnp.asarray([2], jnp.int32), jnp.int32(0), None)
-  kw = dict(max_new_tokens=3, sampling=SamplingParams(), cache_len=128)
+          jnp.asarray([2], jnp.int32), jnp.int32(0), None, jnp.int32(3))
+  kw = dict(width=32, sampling=SamplingParams(), cache_len=128)
   found = [(tuple(aval.shape), inside) for aval, inside in concatenates(
       _generate_jit.trace(*args, **kw).jaxpr.jaxpr, lambda aval: aval.dtype == jnp.bfloat16 and aval.shape in split)]
   assert [shape for shape, inside in found if inside] == [], "fp32 expert weights split inside the decode loop"

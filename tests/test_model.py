@@ -11,6 +11,7 @@ from m3jax.layers.attention import Attention
 from m3jax.layers.rope import rope_cos_sin
 
 
+@pytest.mark.quick
 def test_sparse_layer_equals_dense_attention_below_topk_times_block_size():
   cfg = m3jax.tiny(block_size=16).text  # top-2 x 16 = 32 tokens always fully selected
   sparse = Attention(cfg, sparse=True, dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0))
@@ -34,16 +35,18 @@ def test_cached_forward_matches_full_forward():
   full = model(ids)
   caches = model.init_caches(2, 128)
   pos = jnp.broadcast_to(jnp.arange(90, dtype=jnp.int32), (2, 90))
-  out = model.forward(ids[:, :50], positions=pos[:, :50], caches=caches)
+  forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))  # 2 programs, not op by op
+  out = forward(ids[:, :50], pos[:, :50], caches)
   logits = [out.logits]
   caches = out.caches
   for t in range(50, 90, 8):  # chunks of 8 new tokens against the cache
-    out = model.forward(ids[:, t:t + 8], positions=pos[:, t:t + 8], caches=caches)
+    out = forward(ids[:, t:t + 8], pos[:, t:t + 8], caches)
     caches = out.caches
     logits.append(out.logits)
   np.testing.assert_allclose(jnp.concatenate(logits, 1), full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.quick
 def test_bad_inputs_raise_clear_errors():
   model = m3jax.M3ForCausalLM(m3jax.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"\[batch, seq\]"):
@@ -56,6 +59,7 @@ def test_bad_inputs_raise_clear_errors():
     m3jax.M3ForCausalLM(m3jax.tiny(), kernels="cuda")
 
 
+@pytest.mark.quick
 def test_full_preset_has_about_427b_parameters_without_allocating():
   abstract = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(m3jax.m3_full(), dtype=jnp.bfloat16))
   leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))

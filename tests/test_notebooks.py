@@ -13,11 +13,13 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 REPO = str(pathlib.Path(__file__).parent.parent)
 
 
+@pytest.mark.quick
 def test_there_are_notebooks():
   assert len(NOTEBOOKS) >= 3
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.quick
 def test_committed_without_outputs_and_paired(path):
   nb = nbformat.read(path, as_version=4)
   for cell in nb.cells:

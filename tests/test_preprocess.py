@@ -12,6 +12,8 @@ from m3jax.vision.prompt import (IMAGE_MARKER, VIDEO_MARKER, VISION_END, VISION_
                                  expand_prompt)
 from m3jax.vision.video import Video, preprocess_video, sample_frame_indices, video_timestamps
 
+pytestmark = pytest.mark.quick  # a cheap file: all of it is in the quick tier
+
 MARKERS = [IMAGE_MARKER, VIDEO_MARKER, VISION_START, VISION_END]
 
 

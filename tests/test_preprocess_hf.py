@@ -16,6 +16,8 @@ from m3jax.vision.image import (IMAGE_STD, ImageProcessorConfig, image_rows, num
                                 resized_image, smart_resize)
 from m3jax.vision.video import preprocess_video
 
+pytestmark = pytest.mark.quick  # a cheap file: all of it is in the quick tier
+
 DIR = FIXTURES / "vl_preprocess"
 META = json.loads((DIR / "meta.json").read_text())
 HF = np.load(DIR / "hf_outputs.npz")

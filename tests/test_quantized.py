@@ -59,6 +59,7 @@ def random_e4m3(rng, shape) -> np.ndarray:
 # Math
 
 
+@pytest.mark.quick
 def test_mxfp8_dequantize_exact_and_bounded():
   rng = np.random.default_rng(0)
   w8 = random_e4m3(rng, (24, 96))
@@ -76,6 +77,7 @@ def test_mxfp8_dequantize_exact_and_bounded():
   assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -9 * step)
 
 
+@pytest.mark.quick
 def test_fp8_block_dequantize_exact_and_bounded():
   rng = np.random.default_rng(1)
   w8 = random_e4m3(rng, (200, 300))  # not multiples of 128: ragged last blocks
@@ -91,6 +93,7 @@ def test_fp8_block_dequantize_exact_and_bounded():
   assert np.all(np.abs(deq - w) <= 2.0 ** -4 * np.abs(w) + 2.0 ** -9 * step)
 
 
+@pytest.mark.quick
 def test_nvfp4_nibble_order_exact_and_bounded():
   # 0x2A: low nibble 0xA = sign + magnitude code 2 (1.0) -> element 0 is -1.0; high nibble 0x2 -> element 1 is +1.0.
   np.testing.assert_array_equal(q.unpack_e2m1(np.array([[0x2A, 0xF7]], np.uint8)), [[-1.0, 1.0, 6.0, -6.0]])
@@ -192,6 +195,7 @@ def params(model) -> dict:
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.quick
 def test_quantized_fixture_end_to_end(tmp_path, fmt):
   dequantized = quantize_checkpoint(FLAT_B16, tmp_path / "quant", fmt)
   write_plain(dequantized, FLAT_B16, tmp_path / "plain")
@@ -252,6 +256,7 @@ def test_quantization_config_mismatches_are_named(tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.quick
 def test_malformed_quantized_tensors_are_named(tmp_path):
   w8, s = q.quantize_mxfp8(np.ones((32, 48), np.float32))
   d = tmp_path / "bad"

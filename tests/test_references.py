@@ -26,6 +26,7 @@ def _as_sets(rows):
   return [set(int(x) for x in r if x >= 0) for r in rows]
 
 
+@pytest.mark.quick
 def test_selection_hand_checked_local_and_init_blocks():
   # block scores: b0 0.1, b1 0.9, b2 0.5, b3 0.7, b4 0.2; block size 4, 20 keys.
   k = _block_valued_keys([0.1, 0.9, 0.5, 0.7, 0.2], 4)
@@ -40,6 +41,7 @@ def test_selection_hand_checked_local_and_init_blocks():
   assert rows[0].tolist()[1:] == [-1, -1] and rows[1].tolist()[2] == -1 and (rows[2] >= 0).all()
 
 
+@pytest.mark.quick
 def test_token_level_causal_mask_applies_before_block_max():
   # Block 2 holds keys 8..11: visible keys 8, 9 score 0.05, future keys 10, 11 score 5.0.
   vals = np.array([0.1] * 4 + [0.9] * 4 + [0.05, 0.05, 5.0, 5.0], np.float32)
@@ -111,6 +113,7 @@ def test_causal_attention_with_offset_positions_reads_only_the_past():
   np.testing.assert_allclose(part, full[:, 20:], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_swiglu_oai_clamps():
   gate_up = jnp.asarray([[-20.0, 10.0, -20.0, 10.0]])  # gates (-20, 10), ups (-20, 10)
   out = np.asarray(swiglu_oai(gate_up, alpha=1.702, limit=7.0))[0]
@@ -132,6 +135,7 @@ def _naive_moe(x, router_w, bias, w_gu, w_d, s_gu, s_d, top_k, scale):
 
 
 @pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.quick
 def test_moe_reference_matches_a_per_token_loop(tokens):
   h, e, i, k = 16, 6, 8, 2
   r = np.random.default_rng(0)
@@ -144,6 +148,7 @@ def test_moe_reference_matches_a_per_token_loop(tokens):
   np.testing.assert_allclose(got, _naive_moe(x, *args, k, 2.0), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.quick
 def test_routing_bias_changes_selection_but_not_weights():
   x = jnp.ones((1, 4))
   router = jnp.asarray(np.diag([1.0, 2.0, 3.0, 4.0]).astype(np.float32))  # logits 1, 2, 3, 4

@@ -12,6 +12,8 @@ from m3jax.detokenize import TokenStrings
 from m3jax.engine import Completion, TopLogprobs, Update
 from m3jax.reply import Reply
 
+pytestmark = pytest.mark.quick  # a cheap file: all of it is in the quick tier
+
 TEXT = "naïve 数据 🙂 ok; the block holds 128 keys. ünïcödé ✓ done"
 EOS = 7  # stands for the stop token
 

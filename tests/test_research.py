@@ -21,6 +21,7 @@ def test_nothing_is_recorded_by_default(model):
   assert model.forward(ids).intermediates is None
 
 
+@pytest.mark.quick
 def test_intermediates_shapes_and_consistency(model):
   cfg = model.config.text
   b, s = 2, 80
@@ -74,6 +75,7 @@ def test_mass_outside_selection_is_zero_where_everything_is_selected(model):
     Collect(attention_queries=(5, 5))
 
 
+@pytest.mark.quick
 def test_selection_locality_counts_the_kernel_tiles():
   from m3jax.research import selection_locality
   from pallas_kernels.attention.plan import sparse_plan

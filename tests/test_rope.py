@@ -38,6 +38,7 @@ def test_rope_matches_float64_rotation(d, r, dtype):
 
 @pytest.mark.parametrize("d,r", [(128, 64), (128, 128), (64, 16)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.quick
 def test_swap_form_is_bitwise_the_slice_form(d, r, dtype):
   positions = jnp.arange(10, dtype=jnp.int32).reshape(2, 5) * 1237
   cos, sin = rope_cos_sin(positions, r, 1e4)

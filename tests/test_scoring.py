@@ -69,6 +69,7 @@ def test_chunked_scoring_equals_one_shot(model, ref, chunk):
   assert (chunked.greedy == whole.greedy).mean() > 0.99
 
 
+@pytest.mark.quick
 def test_continuation_scores(model, ref):
   prompt = ref["input_ids"][0, :60].tolist()
   greedy = generate(model, [prompt], max_new_tokens=6, eos_token_ids=()).tokens[0].tolist()
@@ -82,6 +83,7 @@ def test_continuation_scores(model, ref):
   assert out.logprob[0] > out.logprob[1]  # the greedy continuation is the likelier one here
 
 
+@pytest.mark.quick
 def test_bad_inputs_fail_clearly(model):
   with pytest.raises(ValueError, match="outside"):
     token_logprobs(model, [[1, 2, 256]])

@@ -49,6 +49,7 @@ def _greedy(s, ids, n):
   return s["tok"].decode(ids[:-1] if stopped else ids, skip_special_tokens=False), ("stop" if stopped else "length"), ids
 
 
+@pytest.mark.quick
 def test_models_and_health(served):
   with urllib.request.urlopen(served["url"] + "/v1/models") as r:
     assert json.loads(r.read())["data"][0]["id"] == "tiny-m3"
@@ -56,6 +57,7 @@ def test_models_and_health(served):
     assert json.loads(r.read()) == {"status": "ok"}
 
 
+@pytest.mark.slow
 def test_concurrent_completions_each_get_their_own_greedy_text(served):
   prompts = ["What is sparse attention?", "Hello", "A block holds one hundred and twenty-eight keys,",
              "Why a shared expert?", "The quick brown fox"]
@@ -110,6 +112,7 @@ def test_chat_whole_and_streamed(served):
     ("/v1/completions", {"prompt": "x", "logprobs": "yes"}, "logprobs must be a non-negative integer"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty=0.5 is not supported"),
 ])
+@pytest.mark.quick
 def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, message):
   with pytest.raises(urllib.error.HTTPError) as e:
     _post(served["url"] + path, body)
@@ -117,6 +120,7 @@ def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, messa
   assert message in json.loads(e.value.read())["error"]["message"]
 
 
+@pytest.mark.quick
 def test_greedy_defaults_are_accepted_and_unknown_routes_are_404(served):
   r = _post(served["url"] + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
                                                  "top_p": 1.0})

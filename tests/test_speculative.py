@@ -56,6 +56,7 @@ def _drafting_model(noise: float, seed: int = 0, mtp_layer_scale: float = 0.0) -
   return model
 
 
+@pytest.mark.quick
 def test_mtp_forward_follows_the_spec():
   """logits = lm_head(final_norm(layer(eh_proj([enorm(e) ; hnorm(h)])))), e zeroed at position 0."""
   model = _model()
@@ -86,6 +87,7 @@ def test_mtp_forward_follows_the_spec():
   assert not np.allclose(np.asarray(changed[1, 0]), np.asarray(out.logits[1, 0]))
 
 
+@pytest.mark.quick
 def test_mtp_weights_round_trip_through_original_and_converted_checkpoints(tmp_path):
   model = _model()
   src = tmp_path / "src"
@@ -120,6 +122,7 @@ def test_mtp_weights_round_trip_through_original_and_converted_checkpoints(tmp_p
     m3jax.load(no_mtp, with_mtp=True)
 
 
+@pytest.mark.quick
 def test_with_mtp_errors_name_the_problem(tmp_path):
   plain = m3jax.M3ForCausalLM(m3jax.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
   write_checkpoint(plain, tmp_path / "plain")
@@ -165,6 +168,7 @@ def test_greedy_speculative_tokens_equal_generate(noise, k, accepted):
   assert out.drafts.shape == (3, out.accepted_drafts.shape[1], k)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_gives_the_same_speculative_decoding():
   """The target's and the MTP's prefill in chunks of 16: the same tokens, drafts and acceptance, streamed too."""
   model = _drafting_model(0.1, mtp_layer_scale=0.5)
@@ -209,6 +213,7 @@ def _exact_joint(model, prompt, sampling, steps):
   return joint
 
 
+@pytest.mark.slow
 def test_sampled_speculative_tokens_follow_the_target_distribution():
   """3 sampled tokens (top-3, temperature 1) of 4096 copies of a prompt, drafting 2 per round with an MTP module
   whose distribution differs from the target's: the empirical joint must match the target's exact joint (27
@@ -255,6 +260,7 @@ def _drafted_joint(model, prompt, sampling):
 
 
 @pytest.mark.parametrize("drafter", ["random", "partly right"])
+@pytest.mark.slow
 def test_every_draft_equals_a_cache_free_mtp_chain(drafter):
   """Round r's drafts must be what the MTP module gives without caches: d_1 from x_1 .. x_p and the target's
   hidden states h_0 .. h_{p-1} of the final sequence, d_j from the chain extended by d_{j-1} and the module's own
@@ -287,6 +293,7 @@ def test_every_draft_equals_a_cache_free_mtp_chain(drafter):
 
 
 @pytest.mark.parametrize("temperature, k, rounds_per_call", [(0.0, 2, 1), (0.0, 3, 3), (1.0, 2, 2)])
+@pytest.mark.slow
 def test_streamed_speculative_tokens_equal_generate_speculative(temperature, k, rounds_per_call):
   """The streamed chunks, concatenated per sequence, are generate_speculative's tokens (greedy and sampled, one
   or several rounds per call, a stop token and ragged prompts), and the stats match its record."""

@@ -8,6 +8,8 @@ import pytest
 from m3jax.generate import pad_prompts
 from m3jax.token_ids import check_in_vocab, is_token_id, parse_token_ids, resolve_stop_ids, token_list
 
+pytestmark = pytest.mark.quick  # a cheap file: all of it is in the quick tier
+
 
 def test_integer_kinds_are_token_ids_and_floats_and_bools_are_not():
   assert all(is_token_id(v) for v in (3, np.int32(3), np.int64(3), np.asarray(3), jnp.asarray(3, jnp.int32)))

@@ -30,6 +30,7 @@ def pixels(n: int, seed: int) -> np.ndarray:
   return np.random.default_rng(seed).normal(size=(n, 1176)).astype(np.float32)
 
 
+@pytest.mark.quick
 def test_images_never_attend_to_each_other_and_padding_never_leaks(model):
   ga, gb, gc = [1, 4, 6], [1, 2, 2], [1, 6, 4]
   a, b, c = pixels(24, 1), pixels(4, 2), pixels(24, 3)
@@ -61,6 +62,7 @@ def test_long_videos_split_into_segments_with_restarting_time(model):
   assert np.max(np.abs(whole - auto)) > 1e-3
 
 
+@pytest.mark.quick
 def test_positions_follow_the_spatial_merge_block_order():
   t, h, w = 2, 4, 6
   lay = vision_layout([[t, h, w]], merge=2, max_frames=None)
@@ -104,6 +106,7 @@ def test_projector_merges_each_run_of_four_patches(model):
   np.testing.assert_allclose(np.asarray(proj(x)), manual, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_scatter_in_order_and_clear_count_errors():
   ids = jnp.asarray([[1, 9, 9, 2], [9, 3, 9, 4]])
   feats = jnp.arange(4 * 2, dtype=jnp.float32).reshape(4, 2) + 100

@@ -32,6 +32,7 @@ def model():
   return m3jax.load(DIR / "checkpoint", kernels="reference")
 
 
+@pytest.mark.quick
 def test_fixture_covers_what_the_issue_asks():
   grids = REF["image_grid_thw"].tolist()
   assert len(grids) >= 3 and len({tuple(g) for g in grids}) == len(grids)
@@ -43,6 +44,7 @@ def test_fixture_covers_what_the_issue_asks():
 
 
 @pytest.mark.parametrize("ckpt", ["checkpoint", "checkpoint_hf"])
+@pytest.mark.quick
 def test_fp32_logits_match_hf(ckpt, model):
   m = model if ckpt == "checkpoint" else m3jax.load(DIR / ckpt, kernels="reference")
   assert m.vision is not None and m.dtype == np.float32
@@ -77,6 +79,7 @@ def test_video_segments_restart_temporal_positions(model):
     model.vision.config = cfg
 
 
+@pytest.mark.quick
 def test_prompt_builder_reproduces_the_hf_processor():
   tok = Tokenizer.from_file(str(DIR / "tokenizer.json"))
   frames = np.load(DIR / META["video"])
@@ -93,6 +96,7 @@ def test_prompt_builder_reproduces_the_hf_processor():
   assert np.max(np.abs(inputs.pixel_values_videos - REF["pixel_values_videos"])) <= bound
 
 
+@pytest.mark.quick
 def test_placeholder_count_mismatch_is_a_clear_error(model):
   ids = REF["input_ids"].copy()
   first = int(np.argmax(ids[0] == 250))

@@ -58,5 +58,5 @@ def check_weights_fit(path: str, flat: Sequence[tuple[ParamPath, Any]], placemen
       raise CheckpointError(
           f"{path}: the weights alone need {format_bytes(need).strip()} on {device} ({len(held)} device(s) "
           f"hold weights, {format_bytes(sum(held.values())).strip()} in all) but it has "
-          f"{format_bytes(limit).strip()}: load onto a mesh over more devices (m3jax.sharding.load / --mesh, e.g. "
-          "expert=8), or keep a quantized checkpoint's weights in fp8 (keep_quantized=True / --keep-quantized)")
+          f"{format_bytes(limit).strip()}: load onto a mesh over more devices (m3jax.load(path, mesh=...) / --mesh, "
+          "e.g. expert=8), or keep a quantized checkpoint's weights in fp8 (keep_quantized=True / --keep-quantized)")

@@ -32,6 +32,7 @@ from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.config import M3Config
 from m3jax.layers.quantized import QuantSpec
 from m3jax.model import SUPPORTED_DTYPES, M3ForCausalLM, model_dtype
+from m3jax.sharding import RULES, Rules, ShardingPlan, check_config, logical_axes_of
 
 _DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32, "F16": jnp.float16}
 ParamPath = tuple[Any, ...]
@@ -231,6 +232,20 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   model = fill(graphdef, flat, produce)
   if unused:
     raise CheckpointError(f"internal: rules without parameters: {sorted(unused)[:3]}")
+  return model
+
+
+def load_on_mesh(path: str | os.PathLike, *, mesh: jax.sharding.Mesh, axis_rules: Rules | None = None,
+                 **kwargs: Any) -> M3ForCausalLM:
+  """``m3jax.load`` with a mesh: checks the mesh against config.json (m3jax.sharding.check_config), restores every
+  parameter straight into its shard under ``axis_rules`` (default m3jax.sharding.RULES) and attaches the plan
+  (``model.sharding_plan``), so that the model runs sharded. The mesh may lack some of ("data", "expert",
+  "tensor"): a missing axis counts as size 1. ``kwargs`` are ``load``'s (dtype, kernels, text_only, with_mtp).
+  """
+  plan = ShardingPlan(mesh, RULES if axis_rules is None else tuple(axis_rules))
+  check_config(M3Config.from_file(path), plan.mesh, plan.rules)
+  model = load(path, shardings=lambda param_path, var: plan.sharding(logical_axes_of(var)), **kwargs)
+  model.sharding_plan = plan
   return model
 
 

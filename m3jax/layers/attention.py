@@ -19,7 +19,7 @@ from m3jax.parallel.projection import FusedWeights, fuse_weights, fused_projecti
 from m3jax.ops import attention as attention_ops
 from m3jax.ops import indexer as indexer_ops
 from m3jax.ops.dispatch import KernelChoice
-from m3jax.research import Collect, attention_probs
+from m3jax.research import Collect, attention_probs, block_attention_mass
 from m3jax.sharding import constrain, head_replication
 from pallas_kernels._chunking import chunked_over_queries
 from pallas_kernels.indexer.reference import index_block_scores_reference
@@ -112,7 +112,7 @@ class Attention(nnx.Module):
 
   def __call__(
       self, x: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
-      collect: Collect | None = None, projection: FusedWeights | None = None,
+      collect: Collect | None = None, projection: FusedWeights | None = None, dense_attention: bool = False,
   ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
     """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache, record).
 
@@ -121,6 +121,8 @@ class Attention(nnx.Module):
     ``record`` holds what ``collect`` asks for (m3jax.research); empty by default. ``projection``: this
     layer's ``fused_weights()``, built once outside a decode loop; without it bf16 / fp32 weights are fused here
     and fp8 ones project one by one (a prefill is compute-bound: a per-call copy of the fp8 weights would not pay).
+    ``dense_attention``: a sparse layer attends densely (causal, no selection): the dense warm-up phase of
+    indexer training (m3jax.training); the index keys are still written to a cache.
     """
     # Sequence parallelism: gather the token-sharded residual to this layer's query-token layout.
     x = constrain(x, (ax.ACT_BATCH, ax.ACT_Q_SEQ, ax.ACT_EMBED))
@@ -146,7 +148,7 @@ class Attention(nnx.Module):
       k, v, idx_k = cache.k, cache.v, cache.idx_k
     scale = self.head_dim ** -0.5
     block_ids = None
-    if self.indexer is None:
+    if self.indexer is None or dense_attention:
       out = attention_ops.causal_attention(q, k, v, positions, scale=scale, kernels=self.kernels)
     else:
       block_ids = indexer_ops.indexer_topk(
@@ -157,7 +159,25 @@ class Attention(nnx.Module):
     record = {} if collect is None else self._record(
         collect, q, k[:, :, ::r], None if idx_q is None else idx_q[:, :, ::r], idx_k, positions,
         None if block_ids is None else block_ids[:, :, ::r], scale)
+    if collect is not None and collect.indexer_alignment and self.indexer is not None:
+      record.update(self._alignment_record(x, q, k[:, :, ::r], positions, cos, sin, scale))
     return linear(out, self.o_proj, "bsnd,ndh->bsh", kernels=self.kernels), cache, record
+
+  def _alignment_record(self, x, q, k, positions, cos, sin, scale) -> dict[str, jax.Array]:
+    """The indexer-alignment pair of this sparse layer (m3jax.research documents them): the dense attention's
+    block mass (no gradient) and the indexer's block scores from the input with its gradient stopped, so that
+    an alignment loss trains the indexer's own weights and nothing of the main model. [B, S, Hi, nb] each.
+    With a cache, x must be the cache's only tokens (positions 0..S-1): the indexer keys come from x."""
+    target = chunked_over_queries(
+        lambda qc, pc: block_attention_mass(qc, jax.lax.stop_gradient(k), pc, scale, self.block_size), 256,
+        jax.lax.stop_gradient(q), positions)
+    x_in = jax.lax.stop_gradient(x)
+    iq, ik = self.indexer.project_each(x_in, self.kernels)  # fp8 weights stay quantized (the reference dequantizes)
+    idx_q, idx_k = self.indexer.finish(iq, ik, cos, sin)
+    scores = chunked_over_queries(
+        lambda qc, pc: index_block_scores_reference(qc, idx_k, pc, block_size=self.block_size), 256,
+        idx_q, positions)
+    return {"alignment_target": jax.lax.stop_gradient(target), "alignment_scores": scores}
 
   def _record(self, collect: Collect, q, k, idx_q, idx_k, positions, block_ids, scale) -> dict[str, jax.Array]:
     """The research intermediates of this layer (m3jax.research documents names and shapes)."""

@@ -65,15 +65,16 @@ class DecoderLayer(nnx.Module):
 
   def __call__(
       self, h: jax.Array, *, positions: jax.Array, cos: jax.Array, sin: jax.Array, cache: LayerCache | None,
-      collect: Collect | None = None, prepared: DecodeWeights | None = None,
+      collect: Collect | None = None, prepared: DecodeWeights | None = None, dense_attention: bool = False,
   ) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
     """h [B,S,H] -> ([B,S,H], updated cache, research record (empty unless ``collect``)).
 
     ``prepared``: ``self.decode_weights()`` built before a decode loop; by default each part prepares its
-    weights itself, per call."""
+    weights itself, per call. ``dense_attention``: a sparse layer attends densely (Attention.__call__)."""
     prepared = prepared or DecodeWeights()
     attn_out, cache, record = self.attn(self.input_norm(h), positions=positions, cos=cos, sin=sin, cache=cache,
-                                        collect=collect, projection=prepared.projection)
+                                        collect=collect, projection=prepared.projection,
+                                        dense_attention=dense_attention)
     h = constrain(h + attn_out, _RESIDUAL)
     mlp_in = self.post_attention_norm(h)
     mlp_out = self.mlp(mlp_in, prepared.experts) if isinstance(self.mlp, MoE) else self.mlp(mlp_in)

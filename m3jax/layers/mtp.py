@@ -26,6 +26,7 @@ from m3jax.layers.norms import RMSNorm
 from m3jax.layers.params import make_param, project
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice
+from m3jax.research import Collect
 
 
 class MTPLayer(nnx.Module):
@@ -43,9 +44,11 @@ class MTPLayer(nnx.Module):
     self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
 
   def __call__(self, embeds: jax.Array, prev_hidden: jax.Array, *, positions: jax.Array, cache: LayerCache | None,
-               prepared: DecodeWeights | None = None) -> tuple[jax.Array, LayerCache | None]:
+               prepared: DecodeWeights | None = None, collect: Collect | None = None,
+               dense_attention: bool = False) -> tuple[jax.Array, LayerCache | None, dict[str, jax.Array]]:
     """embeds [B, S, H] (the embeddings of x_{t+1}), prev_hidden [B, S, H] (h_t), positions int32 [B, S] (t) ->
-    (out [B, S, H], the module's updated cache). Apply ``final_norm`` and the LM head to ``out`` for logits."""
+    (out [B, S, H], the module's updated cache, the layer's research record (empty unless ``collect``)).
+    Apply ``final_norm`` and the LM head to ``out`` for logits. ``dense_attention``: DecoderLayer's."""
     if embeds.shape != prev_hidden.shape:
       raise ValueError(f"MTP token embeddings {embeds.shape} and previous hidden states {prev_hidden.shape} differ")
     dtype = self.eh_proj[...].dtype
@@ -53,5 +56,6 @@ class MTPLayer(nnx.Module):
     joined = jnp.concatenate([self.enorm(e.astype(dtype)), self.hnorm(prev_hidden.astype(dtype))], axis=-1)
     u = project("bsk,kh->bsh", joined, self.eh_proj[...])
     cos, sin = rope_cos_sin(positions, self.rotary_dim, self.rope_theta)
-    out, cache, _ = self.layer(u, positions=positions, cos=cos, sin=sin, cache=cache, prepared=prepared)
-    return out, cache
+    out, cache, record = self.layer(u, positions=positions, cos=cos, sin=sin, cache=cache, prepared=prepared,
+                                    collect=collect, dense_attention=dense_attention)
+    return out, cache, record

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe.dispatch import build_broadcast_dispatch, build_dispatch
+from pallas_kernels.moe.gemms import Gemms
 from pallas_kernels.moe.kernel_sm90_fp8 import SMEM_LIMIT_BYTES, Fp8Tiles, grouped_matmul_fp8
 from pallas_kernels.moe.routing import route
 from pallas_kernels.quant import QuantizedWeight
@@ -206,8 +207,7 @@ def _shared_alone(x, shared_gate_up, shared_down, gemms: Fp8Gemms, *, alpha, lim
   shared weights are arrays -> [T, H] in x.dtype."""
   t = x.shape[0]
   if not isinstance(shared_gate_up, QuantizedWeight):
-    from pallas_kernels.moe.api import _Gemms  # pylint: disable=g-import-not-at-top
-    bf = _Gemms.make(x.dtype, interpret, None, num_sms, t, 1, 1, alpha, limit,
+    bf = Gemms.make(x.dtype, interpret, None, num_sms, t, 1, 1, alpha, limit,
                      widths=(shared_down.shape[0],), hidden=x.shape[1])
     bm = bf.block_m
     s_tiles = -(-t // bm)

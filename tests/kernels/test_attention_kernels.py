@@ -89,6 +89,7 @@ def test_sparse_chunked_prefill_m3_group(mode, dtype):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick
 def test_sparse_decode_split(mode):
   """Decode: one query per row at different lengths (Sk % 128 != 0), flash-decoding split of the list."""
   positions = jnp.array([[5], [700], [999]], jnp.int32)
@@ -212,6 +213,7 @@ def test_heuristic_picks_the_warp_specialized_kernel_for_prefill_only():
 
 
 @pytest.mark.parametrize("splits", [1, 5, 16, 24])
+@pytest.mark.quick
 def test_merge_splits_matches_a_log_sum_exp_merge(splits):
   """The split merge (unrolled up to 16 splits, reductions beyond) against a float64 LSE merge, with
   empty splits (lse = -inf) and one row whose splits are all empty (-> zeros)."""

@@ -151,6 +151,7 @@ def test_registers_staging_needs_heads_per_group_dividing_64():
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick
 def test_short_sequence_and_rows_without_selections(mode):
   """A 20-token prefill (one partial block) and a row whose slots are all -1: zeros, like the reference."""
   positions = jnp.arange(20, dtype=jnp.int32)[None]
@@ -161,6 +162,7 @@ def test_short_sequence_and_rows_without_selections(mode):
 
 
 @pytest.mark.parametrize("query_panel", [None, 50, 16, 1])
+@pytest.mark.quick
 def test_plan_covers_every_pair_once(query_panel):
   """Every usable (query, group, slot) is in exactly one item, of the item's batch / group / block; items
   hold at most chunks_per_item x Qc pairs, queries ascending, all of one query panel; the real items come

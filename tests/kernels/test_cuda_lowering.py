@@ -110,6 +110,7 @@ def test_indexer_lowers(dims: Dims, batch: int, new: int, cached: int):
 
 
 @pytest.mark.parametrize("batch,new,cached", CALLS)
+@pytest.mark.quick
 def test_indexer_lowers_in_fp32(batch: int, new: int, cached: int):
   """fp32 checkpoints: the index scores run on a bf16 hi/lo split of the fp32 operands."""
   f32 = jnp.float32

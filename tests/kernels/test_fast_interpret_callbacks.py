@@ -11,6 +11,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fast_interpret_callbacks as fast
 import kernel_modes
@@ -40,6 +41,7 @@ def _assert_bit_identical(original: np.ndarray, replaced: np.ndarray) -> None:
   np.testing.assert_array_equal(original.view(np.uint8), replaced.view(np.uint8))
 
 
+@pytest.mark.quick
 def test_the_suite_runs_with_the_replacement_on_cpu():
   """conftest installs it for CPU runs; a jax whose function changed would leave it out, and this says so."""
   assert fast.why_not_installable() is None, fast.why_not_installable()
@@ -57,6 +59,7 @@ def test_sparse_attention_is_bit_identical():
   _assert_bit_identical(*_both_ways(run))
 
 
+@pytest.mark.quick
 def test_indexer_is_bit_identical():
   keys = jax.random.split(jax.random.key(1), 2)
   idx_q = jax.random.normal(keys[0], (1, 4, 4, 128), jnp.float32).astype(jnp.bfloat16)

@@ -117,6 +117,7 @@ def test_mx_pair_ptx_arithmetic_is_exact():
   np.testing.assert_array_equal(got, want.astype(np.float64))
 
 
+@pytest.mark.quick
 def test_mx_tile_dequant_twin_matches_dequantize():
   # The interpreter's twin computes dequantize's weights (codes from 10: XLA:CPU flushes fp32 subnormals).
   e4m3 = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn)
@@ -169,6 +170,7 @@ def test_fp8_moe_block_matches_reference(mode, name, t, h, inter, e, shared_inte
   _assert_close(out, _reference(args, top_k), h)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mode", MODES)
 def test_fp8_routed_experts_on_a_slice_of_experts(mode):
   # Experts [2, 4) of 4 held here (expert parallelism), first_expert traced as under shard_map.
@@ -185,6 +187,7 @@ def test_fp8_routed_experts_on_a_slice_of_experts(mode):
   np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@pytest.mark.quick
 def test_fp8_moe_input_validation():
   x, router_w, bias, gu, dn, sgu, sdn = _moe_inputs(1, 256, 128, 8, 128, "mxfp8")
   with pytest.raises(NotImplementedError, match="bf16 activations"):

@@ -79,6 +79,7 @@ def test_prefill_ragged_lengths(mode, fused):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("block_sizes", [None, IndexerBlockSizes(kv_stages=3, num_splits=3, fused_topk=False)])
+@pytest.mark.quick
 def test_decode_different_lengths(mode, block_sizes):
   """Decode (Sq = 2: one speculative token) with each row at its own length; Sk % 128 != 0."""
   idx_q, idx_k = _inputs(3, 2, 4, 128, 1000, jnp.bfloat16, seed=1)
@@ -127,6 +128,7 @@ def test_fp32_selection_is_fp32_accurate(mode):
   assert as_sets(got) == as_sets(want)
 
 
+@pytest.mark.quick
 def test_rejects_unsupported():
   idx_q, idx_k = _inputs(1, 4, 4, 128, 256, jnp.bfloat16)
   pos = jnp.arange(4, dtype=jnp.int32)[None]

@@ -245,6 +245,7 @@ def test_all_pairs_top_k_matches_lax_top_k_with_ties():
 
 
 @pytest.mark.parametrize("t", [1, 7, 300])  # 300 tokens x 128 x 128 falls back to lax.top_k
+@pytest.mark.quick
 def test_kernel_routing_matches_reference(t):
   x, router_w, bias, *_ = _make(t, 128, 128, 128, 128, jnp.bfloat16, seed=t)
   weights, ids = route(x, router_w, bias, top_k=4)
@@ -329,6 +330,7 @@ def test_prepared_operands_are_checked_against_the_weights():
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.quick
 def test_expert_parallel_block_runs_the_kernel_inside_shard_map(mode, caplog, monkeypatch):
   # m3jax.parallel.moe on a one-device mesh: the per-device routed experts go through run_op to the
   # Pallas kernel (no fallback) inside shard_map. (The interpreter keeps one global simulated GPU, so
