@@ -350,8 +350,8 @@ def test_generate_fuses_the_fp8_projections_once_outside_the_decode_loop():
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0), quantized=specs)
   graphdef, state = nnx.split(model)
   args = (graphdef, state, jnp.ones((2, 16), jnp.int32), jnp.asarray([16, 12], jnp.int32), jax.random.key(0),
-          jnp.asarray([2], jnp.int32), jnp.int32(0), None)
-  jaxpr = _generate_jit.trace(*args, max_new_tokens=4, sampling=SamplingParams(), cache_len=128).jaxpr.jaxpr
+          jnp.asarray([2], jnp.int32), jnp.int32(0), None, jnp.int32(4))
+  jaxpr = _generate_jit.trace(*args, width=32, sampling=SamplingParams(), cache_len=128).jaxpr.jaxpr
   found = concatenates(jaxpr, lambda aval: aval.dtype == jnp.float8_e4m3fn and aval.shape[-1] == t.hidden_size)
   qkv = (t.num_heads + 2 * t.num_kv_heads) * t.head_dim
   rows = sorted(qkv + (t.index_num_heads + 1) * t.index_head_dim * (kind == "sparse") for kind in t.attention_types)
