@@ -32,7 +32,7 @@ from m3jax.checkpoint.vision_mapping import vision_rules
 from m3jax.config import M3Config
 from m3jax.layers.quantized import QuantSpec
 from m3jax.model import SUPPORTED_DTYPES, M3ForCausalLM, model_dtype
-from m3jax.sharding import RULES, Rules, ShardingPlan, check_config, logical_axes_of
+from m3jax.sharding import RULES, Rules, ShardingPlan, check_config, param_spec
 
 _DTYPES = {"BF16": jnp.bfloat16, "F32": jnp.float32, "F16": jnp.float16}
 ParamPath = tuple[Any, ...]
@@ -244,7 +244,9 @@ def load_on_mesh(path: str | os.PathLike, *, mesh: jax.sharding.Mesh, axis_rules
   """
   plan = ShardingPlan(mesh, RULES if axis_rules is None else tuple(axis_rules))
   check_config(M3Config.from_file(path), plan.mesh, plan.rules)
-  model = load(path, shardings=lambda param_path, var: plan.sharding(logical_axes_of(var)), **kwargs)
+  # param_spec: fp8 scales keep replicated the dims a mesh axis does not divide (m3jax.sharding.fit_spec)
+  model = load(path, shardings=lambda _, var: jax.sharding.NamedSharding(plan.mesh, param_spec(var, plan)),
+               **kwargs)
   model.sharding_plan = plan
   return model
 
