@@ -9,6 +9,10 @@ from typing import Any
 from tokenizers import Tokenizer
 
 
+class ChatTemplateError(ValueError):
+  """The checkpoint's chat template refused the messages (it called ``raise_exception``) or failed on them."""
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
   """The checkpoint's tokenizer.json (real M3 checkpoints ship one)."""
   file = os.path.join(os.fspath(path), "tokenizer.json")
@@ -63,6 +67,16 @@ def render_messages(path: str | os.PathLike, messages: list[dict[str, str]], add
     if not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("content"), str):
       raise ValueError(f"message {i} must be {{'role': ..., 'content': str}}, got {m!r}")
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
-  return env.from_string(template).render(
-      messages=messages, add_generation_prompt=add_generation_prompt,
-      bos_token=cfg.get("bos_token") or "", eos_token=cfg.get("eos_token") or "")
+  env.globals["raise_exception"] = _raise_exception  # what HF templates call to refuse a conversation
+  try:
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt,
+        bos_token=cfg.get("bos_token") or "", eos_token=cfg.get("eos_token") or "")
+  except ChatTemplateError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (the template is the checkpoint's code)
+    raise ChatTemplateError(f"{path}: the chat template failed on these messages ({type(e).__name__}: {e})") from None
+
+
+def _raise_exception(message: str) -> None:
+  raise ChatTemplateError(f"the chat template refused the messages: {message}")

@@ -209,7 +209,7 @@ def test_score_prints_the_library_perplexity(capsys, demo_dir, tmp_path):
 
 def test_batch_writes_each_prompts_own_completion_in_input_order(capsys, demo_dir, tmp_path):
   tok = load_tokenizer(demo_dir)
-  requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [5, 6, 7]},
+  requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [7, 8, 9]},
               {"prompt": "A block holds one hundred and twenty-eight keys, and the indexer picks sixteen."},
               {"prompt": "Hi", "id": 4}, {"prompt_ids": list(range(10, 60))}]
   src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

@@ -118,7 +118,7 @@ def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, messa
 
 
 def test_greedy_defaults_are_accepted_and_unknown_routes_are_404(served):
-  r = _post(served["url"] + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
+  r = _post(served["url"] + "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2, "temperature": 0,
                                                  "top_p": 1.0})
   assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
   with pytest.raises(urllib.error.HTTPError) as e:
@@ -191,7 +191,7 @@ def test_a_streaming_client_that_hangs_up_frees_its_slot(served):
   _wait_until_idle(served)
   calls = served["engine"].decode_calls
   host, port = served["url"].removeprefix("http://").split(":")
-  body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 240, "stream": True}).encode()
+  body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 240, "stream": True}).encode()
   with socket.create_connection((host, int(port)), timeout=300) as sock:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
