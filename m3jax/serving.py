@@ -246,14 +246,12 @@ class Server:
 def _placeholder_ids(checkpoint: str, engine: Engine) -> tuple[int, ...]:
   """The image / video placeholder ids when the checkpoint is a vision-language one (config.json has a
   vision_config): the server runs the text backbone and takes no images, so a prompt holding one is refused."""
-  config = engine.model.config
   if engine.model.placeholder_ids:
     return engine.model.placeholder_ids
   try:
-    declared = M3Config.from_file(checkpoint).vision is not None
+    return M3Config.from_file(checkpoint).placeholder_ids
   except (OSError, ValueError):
-    declared = False
-  return (config.image_token_id, config.video_token_id) if declared else ()
+    return ()
 
 
 def make_handler(server: Server):

@@ -22,19 +22,32 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 
 def _read_json(path: str | os.PathLike, name: str) -> dict[str, Any]:
+  """A side file's JSON object ({} if the file is absent); ValueError naming the file if it is not one."""
   file = os.path.join(os.fspath(path), name)
   if not os.path.exists(file):
     return {}
-  with open(file) as f:
-    return json.load(f)
+  try:
+    with open(file, "rb") as f:
+      data = json.loads(f.read())
+  except (ValueError, RecursionError) as e:
+    raise ValueError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{file}: must be a JSON object, got a JSON {type(data).__name__}")
+  return data
 
 
 def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
-  """eos_token_id from generation_config.json (int or list), () if absent."""
+  """eos_token_id from generation_config.json (int or list), () if absent; ValueError naming the file for
+  anything but integers."""
   eos = _read_json(path, "generation_config.json").get("eos_token_id")
   if eos is None:
     return ()
-  return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+  ids = eos if isinstance(eos, list) else [eos]
+  bad = [e for e in ids if not isinstance(e, int) or isinstance(e, bool)]
+  if bad:
+    raise ValueError(f"{os.path.join(os.fspath(path), 'generation_config.json')}: eos_token_id must be an integer "
+                     f"or a list of them, got {eos!r:.60}")
+  return tuple(ids)
 
 
 def stop_token_ids(path: str | os.PathLike, config_eos: tuple[int, ...]) -> tuple[int, ...]:

@@ -145,10 +145,12 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
   if dtype not in (None, "auto") and str(dtype) not in DTYPES:
     raise ValueError(f"unknown dtype {dtype!r}; expected auto, bfloat16 or float32")
   cfg = M3Config.from_file(src)
+  skip_vision = text_only and cfg.vision is not None
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(src)
-  layout_, rules = plan_text_load(cfg, source, None if layout == "auto" else layout)  # type: ignore[arg-type]
+  layout_, rules = plan_text_load(cfg, source, None if layout == "auto" else layout,  # type: ignore[arg-type]
+                                  skip_vision=skip_vision)
   target = default_run_dtype(source, layout_) if dtype in (None, "auto") else jnp.dtype(DTYPES[str(dtype)])
   _, flat = abstract_model(cfg, target)
   by_path = {rule.path: rule for rule in rules}
