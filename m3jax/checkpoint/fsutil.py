@@ -40,7 +40,7 @@ EXPORT_MARKER = "m3jax_export.json"  # a safetensors directory written by m3jax 
 EXPORT_FORMAT = "m3jax-export"
 _MARKER_FORMATS = {CONVERTED_MARKER: "m3jax-orbax", EXPORT_MARKER: EXPORT_FORMAT}
 # .NAME.m3jax-tmp-PID-HOST-XXXXXXXX (HOST: 8 hex digits; absent from the names of older m3jax versions)
-_SIBLING = re.compile(r"^\..+\.m3jax-(?:tmp|old)-(\d+)-(?:([0-9a-f]{8})-)?[0-9a-f]{8}$")
+_SIBLING = re.compile(r"^\.(.+)\.m3jax-(tmp|old)-(\d+)-(?:([0-9a-f]{8})-)?[0-9a-f]{8}$")
 _HOST_TAG = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 
 
@@ -96,9 +96,14 @@ def is_m3jax_output(path: str) -> bool:
   return False
 
 
-def check_destination(dst: str, force: bool, *, sources: tuple[str, ...] = ()) -> None:
+def check_destination(dst: str, force: bool, *, sources: tuple[str, ...] = (), tidy: bool = True) -> None:
   """Refuses an existing ``dst`` without ``force``, and with it anything but an m3jax output or an empty
-  directory; also a ``dst`` that is (or contains, or lies in) one of ``sources``."""
+  directory; also a ``dst`` that is (or contains, or lies in) one of ``sources``. First tidies what interrupted
+  runs left beside ``dst`` (``remove_stale_temporaries``; ``tidy``), so that an output one of them was replacing
+  is back in place before it is looked at."""
+  if tidy:
+    parent, base = os.path.split(os.path.abspath(dst))
+    remove_stale_temporaries(parent, base)
   real = os.path.realpath(dst)
   for src in sources:
     s = os.path.realpath(src)
@@ -135,34 +140,43 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_temporaries(parent: str, name: str | None = None) -> list[str]:
-  """Removes the temporary siblings (``.*.m3jax-tmp-PID-*``, and ``.*.m3jax-old-PID-*`` of a replaced output)
-  in ``parent`` left by processes of this host that no longer run, saying so on stderr; returns their paths.
-  Those of a running process, or of another host (a shared filesystem), are left alone; for output ``name``,
-  a running one's is mentioned."""
-  removed = []
+  """Tidies what processes of this host that no longer run left in ``parent``, saying so on stderr: their
+  temporary siblings (``.NAME.m3jax-tmp-PID-*``) are removed; the previous output they were replacing
+  (``.NAME.m3jax-old-PID-*``) is removed once the new NAME is in place, or else renamed back to NAME. Returns the
+  paths removed or restored. Those of a running process, or of another host (a shared filesystem), are left
+  alone; for output ``name``, a running one's is mentioned."""
+  tidied = []
   try:
     entries = os.listdir(parent)
   except OSError:
-    return removed
+    return tidied
   for entry in sorted(entries):
     match = _SIBLING.match(entry)
     path = os.path.join(parent, entry)
     if match is None or os.path.islink(path) or not os.path.isdir(path):
       continue
-    pid, host = int(match.group(1)), match.group(2)
+    output, kind, pid, host = match.group(1), match.group(2), int(match.group(3)), match.group(4)
     if host is not None and host != _HOST_TAG:
       continue
     if _alive(pid):
-      if name is not None and entry.startswith(f".{name}.m3jax-") and pid != os.getpid():
+      if output == name and pid != os.getpid():
         print(f"[m3jax] note: {path} belongs to process {pid}, which is still running; left alone",
               file=sys.stderr)
       continue
+    target = os.path.join(parent, output)
+    if kind == "old" and not os.path.lexists(target):
+      os.rename(path, target)
+      tidied.append(path)
+      print(f"[m3jax] restored {target} from {path}: process {pid} stopped while replacing it (--force)",
+            file=sys.stderr)
+      continue
     _remove(path)
     if not os.path.exists(path):
-      removed.append(path)
-      print(f"[m3jax] removed {path}: a temporary directory left by process {pid}, which is no longer running "
-            "(an interrupted convert / export)", file=sys.stderr)
-  return removed
+      tidied.append(path)
+      what = "a temporary directory" if kind == "tmp" else "the output it had replaced"
+      print(f"[m3jax] removed {path}: {what} left by process {pid}, which is no longer running (an interrupted "
+            "convert / export)", file=sys.stderr)
+  return tidied
 
 
 def _sibling(parent: str, base: str, tag: str) -> str:
@@ -182,7 +196,6 @@ def atomic_output_dir(dst: str, force: bool = False) -> Iterator[str]:
     os.makedirs(parent, exist_ok=True)
   except OSError as e:
     raise CheckpointError(f"{dst}: cannot create its parent directory ({e.strerror})") from None
-  remove_stale_temporaries(parent, base)
   tmp = _sibling(parent, base, TMP_TAG)
   try:
     os.makedirs(tmp)
@@ -192,7 +205,7 @@ def atomic_output_dir(dst: str, force: bool = False) -> Iterator[str]:
     yield tmp
     old = None
     if os.path.lexists(dst):
-      check_destination(dst, force)
+      check_destination(dst, force, tidy=False)
       old = _sibling(parent, base, OLD_TAG)
       os.rename(dst, old)
     os.rename(tmp, dst)
