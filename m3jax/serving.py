@@ -330,12 +330,13 @@ def make_handler(server: Server):
       reply = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "created": int(time.time()),
                "model": server.model_name}
       pieces = server.follow(request_id, updates, request.stop, self._client_gone)
-      self._streaming = False
+      self._streaming = answered = False
       try:
         if request.stream:
           self._stream(pieces, request, chat, reply)
         else:
           self._whole(pieces, request, chat, reply)
+        answered = True
       except (ClientGone, BrokenPipeError, ConnectionResetError):
         self.close_connection = True
       except Exception as e:  # pylint: disable=broad-except  (a fault while answering: this request's alone)
@@ -343,7 +344,9 @@ def make_handler(server: Server):
         if not self._streaming:
           self._error(500, f"internal error: {type(e).__name__}: {e}")
       finally:
-        pieces.close()  # cancels the request unless it finished
+        pieces.close()
+        if not answered:  # the engine frees its slot at the next call (nothing if it had finished)
+          server.cancel(request_id)
 
     def _whole(self, pieces, request: Request, chat: bool, reply: dict[str, Any]) -> None:
       try:
