@@ -499,7 +499,8 @@ def test_a_killed_conversion_leaves_dst_absent_or_complete_and_a_rerun_cleans_up
   # Ctrl-C from outside once the conversion has started writing.
   proc = subprocess.Popen([sys.executable, "-m", "m3jax.cli", "convert", str(src), str(tmp_path / "int"),
                            "--no-progress"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored if ours is
   deadline = time.monotonic() + 120
   while not [p for p in os.listdir(tmp_path) if p.startswith(".int.m3jax-tmp-")] and proc.poll() is None:
     assert time.monotonic() < deadline
