@@ -174,7 +174,7 @@ class M3Config:
     weights must be given (``REQUIRED_TEXT_KEYS``, and ``REQUIRED_VISION_KEYS`` in a vision_config): a config that
     lacks them is refused rather than filled with the full model's values."""
     if not isinstance(raw, Mapping):
-      raise ConfigError(f"config.json must be a JSON object, got a JSON {_json_type(raw)}")
+      raise ConfigError(f"the config must be a JSON object, got a JSON {_json_type(raw)}")
     if "text_config" in raw:
       text = _parse_text(_mapping(raw["text_config"], "text_config", allow_none=False), top=raw)
       vision_raw = _mapping(raw.get("vision_config"), "vision_config")
@@ -339,7 +339,7 @@ def _layer_list(raw: Mapping[str, Any], flat_key: str, legacy_values, mapping: d
 
 
 def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
-  where = "config.json's text_config" if raw is not top else "config.json"
+  where = "the config's text_config" if raw is not top else "the config"
   _require(raw, REQUIRED_TEXT_KEYS, where)
   sparse_cfg = _mapping(raw.get("sparse_attention_config"), "sparse_attention_config") or {}
   is_hf_flat = any(k in raw for k in ("layer_types", "mlp_layer_types", "index_n_heads", "rope_parameters"))
@@ -458,7 +458,7 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
 
 
 def _parse_vision(raw: Mapping[str, Any]) -> VisionConfig:
-  _require(raw, REQUIRED_VISION_KEYS, "config.json's vision_config")
+  _require(raw, REQUIRED_VISION_KEYS, "the config's vision_config")
   compression = _mapping(raw.get("img_token_compression_config"),
                          "vision_config.img_token_compression_config") or {}
   rope = _mapping(raw.get("rope_parameters"), "vision_config.rope_parameters") or {}

@@ -176,10 +176,10 @@ def test_full_preset_matches_the_released_dims():
 
 def test_an_empty_or_malformed_config_names_what_is_missing():
   """#45: config.json = {} parsed as the full 427B model; a JSON list or text_config: null gave a traceback."""
-  with pytest.raises(ConfigError, match="config.json lacks 'vocab_size', 'hidden_size', 'num_hidden_layers', "
+  with pytest.raises(ConfigError, match="the config lacks 'vocab_size', 'hidden_size', 'num_hidden_layers', "
                                         "'num_attention_heads', 'num_key_value_heads', 'intermediate_size'"):
     M3Config.from_dict({})
-  with pytest.raises(ConfigError, match="config.json must be a JSON object, got a JSON array"):
+  with pytest.raises(ConfigError, match="the config must be a JSON object, got a JSON array"):
     M3Config.from_dict([1, 2])
   with pytest.raises(ConfigError, match="config key 'text_config': must be a JSON object, got null"):
     M3Config.from_dict({"text_config": None})

@@ -404,10 +404,11 @@ def test_cli_errors_for_unwritable_outputs_bad_json_and_bad_options_are_one_line
   bad = tmp_path / "bad"
   shutil.copytree(src, bad)
   config = json.loads((bad / "config.json").read_text())
-  for name, text, message in (("config.json", "[1, 2]", "config.json must be a JSON object, got a JSON array"),
+  for name, text, message in (("config.json", "[1, 2]",
+                               "config.json: the config must be a JSON object, got a JSON array"),
                               ("config.json", json.dumps({**config, "text_config": None}),
                                "config key 'text_config': must be a JSON object, got null"),
-                              ("config.json", "{}", "config.json lacks 'vocab_size'"),
+                              ("config.json", "{}", "config.json: the config lacks 'vocab_size'"),
                               ("model.safetensors.index.json", "[]", "the index must be a JSON object")):
     original = (bad / name).read_text()
     (bad / name).write_text(text)
@@ -442,6 +443,32 @@ def test_ctrl_c_and_sigterm_during_convert_clean_up_without_a_traceback(src, tmp
   assert capsys.readouterr().err == f"m3jax convert: error: interrupted ({signal.Signals(signum).name})\n"
   assert os.listdir(tmp_path) == []  # neither DST nor a temporary directory
   assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the CLI's handler is gone again
+
+
+def test_interruptions_at_the_edges_of_the_output_directory(src, tmp_path, capsys, monkeypatch):
+  """Ctrl-C right after the temporary directory is created leaves nothing; Ctrl-C between moving the previous
+  output aside and renaming the new one into place puts the previous output back."""
+  real_makedirs, real_rename = os.makedirs, os.rename
+
+  def makedirs(path, *args, **kwargs):
+    real_makedirs(path, *args, **kwargs)
+    if ".m3jax-tmp-" in str(path):
+      os.kill(os.getpid(), signal.SIGINT)
+
+  monkeypatch.setattr(os, "makedirs", makedirs)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--no-progress"]) == 2
+  assert capsys.readouterr().err == "m3jax convert: error: interrupted (SIGINT)\n" and os.listdir(tmp_path) == []
+  monkeypatch.setattr(os, "makedirs", real_makedirs)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--no-progress"]) == 0
+
+  def rename(a, b):
+    real_rename(a, b)
+    if ".m3jax-old-" in str(b):
+      raise KeyboardInterrupt
+
+  monkeypatch.setattr(os, "rename", rename)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--force", "--drop-mtp", "--no-progress"]) == 2
+  assert os.listdir(tmp_path) == ["dst"] and converted.read_marker(tmp_path / "dst")["extras"]["mtp"]  # the first
 
 
 _KILLER = """
@@ -497,10 +524,13 @@ def test_a_killed_conversion_leaves_dst_absent_or_complete_and_a_rerun_cleans_up
   assert f"[m3jax] restored {out} from " in err and "[m3jax] removed " in err and "already exists; pass --force" in err
   assert sorted(os.listdir(tmp_path)) == ["out"] and converted.read_marker(out)["extras"]["mtp"]  # the old one
   # Ctrl-C from outside once the conversion has started writing.
-  proc = subprocess.Popen([sys.executable, "-m", "m3jax.cli", "convert", str(src), str(tmp_path / "int"),
-                           "--no-progress"], cwd=REPO, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO},
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # not ignored if ours is
+  # `python -m m3jax.cli convert ...`, with Python's own SIGINT handler even where the test runner ignores SIGINT
+  # (a background job of a script), which the child would inherit.
+  run_cli = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'm3jax'; runpy.run_module('m3jax.cli', run_name='__main__')")
+  proc = subprocess.Popen([sys.executable, "-c", run_cli, "convert", str(src), str(tmp_path / "int"), "--no-progress"],
+                          cwd=REPO, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
   deadline = time.monotonic() + 120
   while not [p for p in os.listdir(tmp_path) if p.startswith(".int.m3jax-tmp-")] and proc.poll() is None:
     assert time.monotonic() < deadline

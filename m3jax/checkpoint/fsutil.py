@@ -196,14 +196,13 @@ def atomic_output_dir(dst: str, force: bool = False) -> Iterator[str]:
     os.makedirs(parent, exist_ok=True)
   except OSError as e:
     raise CheckpointError(f"{dst}: cannot create its parent directory ({e.strerror})") from None
-  tmp = _sibling(parent, base, TMP_TAG)
-  try:
-    os.makedirs(tmp)
-  except OSError as e:
-    raise CheckpointError(f"{dst}: cannot write in {parent} ({e.strerror})") from None
-  try:
+  tmp, old = _sibling(parent, base, TMP_TAG), None
+  try:  # created inside the try: a Ctrl-C right after it exists still removes it
+    try:
+      os.makedirs(tmp)
+    except OSError as e:
+      raise CheckpointError(f"{dst}: cannot write in {parent} ({e.strerror})") from None
     yield tmp
-    old = None
     if os.path.lexists(dst):
       check_destination(dst, force, tidy=False)
       old = _sibling(parent, base, OLD_TAG)
@@ -213,6 +212,8 @@ def atomic_output_dir(dst: str, force: bool = False) -> Iterator[str]:
       _remove(old)
   except BaseException:
     with interrupts.deferred():  # a second Ctrl-C does not cut the cleanup short
+      if old is not None and os.path.isdir(old) and not os.path.lexists(dst):
+        os.rename(old, dst)  # stopped between the two renames: the previous output goes back in place
       _remove(tmp)
     raise
 
