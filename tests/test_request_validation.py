@@ -23,6 +23,7 @@ def _refused(path, body, status=400):
   return str(e.value)
 
 
+@pytest.mark.quick
 def test_int32_fields_are_checked_at_the_edge():
   """#45: top_k 2147483648 reached the engine's int32 arrays (a 500 for it and every later request)."""
   assert "top_k must be an integer in [-1, 2147483647]" in _refused(COMPLETIONS, {"prompt": "x", "top_k": 2**31})
@@ -95,6 +96,7 @@ _FIELD_VALUES = st.one_of(_JSON, st.lists(st.integers(-5, 400), max_size=6),
 _BODIES = st.one_of(_JSON, st.dictionaries(st.sampled_from(_FIELDS), _FIELD_VALUES, max_size=8))
 
 
+@pytest.mark.quick
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=_BODIES, chat=st.booleans())
 def test_any_body_is_parsed_or_refused_with_a_request_error(body, chat):

@@ -60,6 +60,7 @@ def _opens_or_checkpoint_error(directory: str) -> None:
 @settings(max_examples=100, deadline=None)
 @given(header=st.one_of(st.binary(max_size=48), _HEADERS.map(lambda h: json.dumps(h).encode())),
        declared=st.one_of(st.none(), st.integers(0, 2**64 - 1)), data=st.binary(max_size=32))
+@pytest.mark.quick
 def test_random_header_bytes_read_or_raise_checkpoint_error(header, declared, data):
   with tempfile.TemporaryDirectory() as d:
     path = os.path.join(d, "model.safetensors")
@@ -86,6 +87,7 @@ def test_random_index_files_open_or_raise_checkpoint_error(index, raw):
     _opens_or_checkpoint_error(d)
 
 
+@pytest.mark.quick
 def test_damaged_files_name_the_file_and_what_is_wrong(tmp_path):
   """Regressions for the shapes hypothesis found: headers and indexes that are JSON but not the expected objects."""
   path = str(tmp_path / "model.safetensors")
