@@ -5,15 +5,17 @@
     ``rope_theta`` / ``partial_rotary_factor`` / ``rotary_dim``, ``hidden_act: swigluoai``,
     ``n_shared_experts``, ``scoring_func``, ``use_routing_bias``, ``sparse_init_block``, ...), and
   * HF transformers' flat keys (``layer_types``, ``mlp_layer_types``, ``index_*``, ``rope_parameters``).
-Unknown extra keys are tolerated; unsupported or inconsistent values raise `ConfigError` naming the key.
+Unknown extra keys are tolerated; unsupported or inconsistent values raise `ConfigError` naming the key, and so do
+missing dimensions (``REQUIRED_TEXT_KEYS``, ...): ``{}`` is not read as the full model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 AttentionType = Literal["full", "sparse"]
@@ -160,12 +162,23 @@ class M3Config:
   video_token_id: int = 200026
   projector_hidden_size: int | None = None
 
+  @property
+  def placeholder_ids(self) -> tuple[int, ...]:
+    """The image and video placeholder token ids of a vision-language config (each stands for a vision feature),
+    () for a text-only one."""
+    return (self.image_token_id, self.video_token_id) if self.vision is not None else ()
+
   @classmethod
   def from_dict(cls, raw: Mapping[str, Any]) -> "M3Config":
-    """Parses a checkpoint's config.json (VL or text-only; legacy or HF spelling)."""
+    """Parses a checkpoint's config.json (VL or text-only; legacy or HF spelling). The dimensions that shape the
+    weights must be given (``REQUIRED_TEXT_KEYS``, and ``REQUIRED_VISION_KEYS`` in a vision_config): a config that
+    lacks them is refused rather than filled with the full model's values."""
+    if not isinstance(raw, Mapping):
+      raise ConfigError(f"the config must be a JSON object, got a JSON {_json_type(raw)}")
     if "text_config" in raw:
-      text = _parse_text(raw["text_config"], top=raw)
-      vision = _parse_vision(raw["vision_config"]) if raw.get("vision_config") is not None else None
+      text = _parse_text(_mapping(raw["text_config"], "text_config", allow_none=False), top=raw)
+      vision_raw = _mapping(raw.get("vision_config"), "vision_config")
+      vision = _parse_vision(vision_raw) if vision_raw is not None else None
     else:
       text = _parse_text(raw, top=raw)
       vision = None
@@ -189,8 +202,10 @@ class M3Config:
         raw = json.load(f)
     except FileNotFoundError:
       raise FileNotFoundError(f"{path}: no config.json (is this an M3 checkpoint directory?)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
       raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except IsADirectoryError:
+      raise ConfigError(f"{path}: is a directory, not a config.json file") from None
     try:
       return cls.from_dict(raw)
     except ConfigError as e:
@@ -240,9 +255,44 @@ class M3Config:
 # Parsing helpers
 
 
+# The keys that shape the weights; a config without them is refused instead of filled with m3_full()'s values.
+REQUIRED_TEXT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                      "intermediate_size")
+REQUIRED_MOE_KEYS = (("num_local_experts", "num_experts"), ("num_experts_per_tok",))
+REQUIRED_VISION_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_MAX_LAYERS = 4096  # far above any M3; a config asking for more is damaged (and would build huge per-layer lists)
+
+
 def _check(ok: bool, key: str, message: str) -> None:
   if not ok:
     raise ConfigError(f"config key '{key}': {message}")
+
+
+def _json_type(value: Any) -> str:
+  return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+          type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _mapping(value: Any, key: str, allow_none: bool = True) -> Mapping[str, Any] | None:
+  """A config sub-object (``text_config``, ``rope_parameters``, ...): a JSON object, or None when absent / null
+  (if ``allow_none``); anything else raises ConfigError naming the key."""
+  if value is None and allow_none:
+    return None
+  _check(isinstance(value, Mapping), key, f"must be a JSON object, got {_json_type(value)}"
+         + ("" if value is None else f" {value!r:.40}"))
+  return value
+
+
+def _require(raw: Mapping[str, Any], keys: Sequence[str | tuple[str, ...]], where: str) -> None:
+  """Raises ConfigError naming every required key (or alternative spellings) that ``raw`` lacks or sets to null."""
+  missing = []
+  for key in keys:
+    names = (key,) if isinstance(key, str) else key
+    if all(raw.get(name) is None for name in names):
+      missing.append(" / ".join(names))
+  if missing:
+    raise ConfigError(f"{where} lacks {', '.join(repr(m) for m in missing)}: the dimensions of the weights must be "
+                      "given (none is guessed)")
 
 
 def _int(value: Any, key: str) -> int:
@@ -255,9 +305,15 @@ def _int(value: Any, key: str) -> int:
 
 
 def _float(value: Any, key: str) -> float:
-  """A config number (int or float, not a string or a bool) as a float; raises ConfigError naming the key."""
+  """A finite config number (int or float, not a string, a bool, NaN or infinity) as a float; raises ConfigError
+  naming the key."""
   _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, f"must be a number, got {value!r}")
-  return float(value)
+  try:
+    out = float(value)
+  except OverflowError:
+    out = math.inf
+  _check(math.isfinite(out), key, f"must be a finite number, got {value!r:.40}")
+  return out
 
 
 def _layer_list(raw: Mapping[str, Any], flat_key: str, legacy_values, mapping: dict, n_layers: int,
@@ -267,24 +323,28 @@ def _layer_list(raw: Mapping[str, Any], flat_key: str, legacy_values, mapping: d
     values = raw[flat_key]
     key = flat_key
   elif legacy_values is not None:
+    _check(isinstance(legacy_values, (list, tuple)), legacy_key, f"must be a list, got {_json_type(legacy_values)}")
     values = [mapping[bool(v)] if isinstance(v, (int, bool)) else v for v in legacy_values]
     key = legacy_key
   else:
     return (default,) * n_layers
-  _check(isinstance(values, (list, tuple)), key, f"must be a list, got {type(values).__name__}")
+  _check(isinstance(values, (list, tuple)), key, f"must be a list, got {_json_type(values)}")
   _check(len(values) == n_layers, key, f"has {len(values)} entries but num_hidden_layers is {n_layers}")
   known = {v: v for v in mapping.values()} | {k: v for k, v in mapping.items() if isinstance(k, str)}
   out = []
   for i, v in enumerate(values):
-    _check(v in known, key, f"entry {i} is {v!r}; expected one of {sorted(set(known))}")
+    _check(isinstance(v, str) and v in known, key, f"entry {i} is {v!r:.40}; expected one of {sorted(set(known))}")
     out.append(known[v])
   return tuple(out)
 
 
 def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
-  sparse_cfg = raw.get("sparse_attention_config") or {}
+  where = "the config's text_config" if raw is not top else "the config"
+  _require(raw, REQUIRED_TEXT_KEYS, where)
+  sparse_cfg = _mapping(raw.get("sparse_attention_config"), "sparse_attention_config") or {}
   is_hf_flat = any(k in raw for k in ("layer_types", "mlp_layer_types", "index_n_heads", "rope_parameters"))
   n_layers = _int(raw.get("num_hidden_layers", 60), "num_hidden_layers")
+  _check(0 < n_layers <= _MAX_LAYERS, "num_hidden_layers", f"must be in [1, {_MAX_LAYERS}], got {n_layers}")
 
   def get(flat: str, legacy: str | None = None, default: Any = None) -> Any:
     if flat in raw and raw[flat] is not None:
@@ -310,15 +370,19 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
   _check(score_type == "max", "sparse_score_type", f"{score_type!r} is not supported; only 'max' is")
 
   # RoPE: theta and the rotary fraction may sit at top level (legacy) or in rope_parameters (HF).
-  rope = raw.get("rope_parameters") or {}
+  rope = _mapping(raw.get("rope_parameters"), "rope_parameters") or {}
   rope_scaling = raw.get("rope_scaling")
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   _check(rope_type == "default" and not rope_scaling, "rope_parameters",
-         f"rope type {rope_type!r} / rope_scaling {rope_scaling!r} is not supported (only default RoPE)")
+         f"rope type {rope_type!r:.40} / rope_scaling {rope_scaling!r:.60} is not supported (only default RoPE)")
   theta = _float(rope.get("rope_theta", raw.get("rope_theta", 5_000_000.0)), "rope_theta")
-  head_dim = _int(raw.get("head_dim") or (_int(raw.get("hidden_size", 6144), "hidden_size")
-                                          // _int(raw.get("num_attention_heads", 64), "num_attention_heads")),
-                  "head_dim")
+  if raw.get("head_dim"):
+    head_dim = _int(raw["head_dim"], "head_dim")
+  else:
+    hidden, heads = _int(raw["hidden_size"], "hidden_size"), _int(raw["num_attention_heads"], "num_attention_heads")
+    _check(heads > 0, "num_attention_heads", f"must be positive, got {heads}")
+    head_dim = hidden // heads
+  _check(head_dim > 0, "head_dim", f"must be positive, got {head_dim}")
   factor = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
   rotary_dim = raw.get("rotary_dim")
   if factor is None:
@@ -337,8 +401,12 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
       raw, "mlp_layer_types", raw.get("moe_layer_freq"),
       {True: "moe", False: "dense", "sparse": "moe", "dense": "dense"},
       n_layers, "moe_layer_freq", "moe")
+  if "moe" in mlp_types:
+    _require(raw, REQUIRED_MOE_KEYS, f"{where} (with MoE layers)")
   disable_iv = sparse_cfg.get("sparse_disable_index_value")
   if disable_iv is not None:
+    _check(isinstance(disable_iv, (list, tuple)), "sparse_attention_config.sparse_disable_index_value",
+           f"must be a list, got {_json_type(disable_iv)}")
     _check(len(disable_iv) == n_layers, "sparse_attention_config.sparse_disable_index_value",
            f"has {len(disable_iv)} entries but num_hidden_layers is {n_layers}")
     for i, (kind, off) in enumerate(zip(attention_types, disable_iv)):
@@ -390,8 +458,10 @@ def _parse_text(raw: Mapping[str, Any], top: Mapping[str, Any]) -> TextConfig:
 
 
 def _parse_vision(raw: Mapping[str, Any]) -> VisionConfig:
-  compression = raw.get("img_token_compression_config") or {}
-  rope = raw.get("rope_parameters") or {}
+  _require(raw, REQUIRED_VISION_KEYS, "the config's vision_config")
+  compression = _mapping(raw.get("img_token_compression_config"),
+                         "vision_config.img_token_compression_config") or {}
+  rope = _mapping(raw.get("rope_parameters"), "vision_config.rope_parameters") or {}
   act = raw.get("hidden_act", "gelu")
   _check(act == "gelu", "vision_config.hidden_act", f"{act!r} is not supported (exact-erf 'gelu')")
   proj_act = raw.get("projector_hidden_act", "gelu")

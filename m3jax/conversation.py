@@ -28,7 +28,7 @@ from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, bucket_length, che
                             prefill_in_chunks)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams
-from m3jax.token_ids import resolve_stop_ids, token_list
+from m3jax.token_ids import check_count, check_no_placeholders, resolve_stop_ids, token_list
 
 
 @dataclasses.dataclass
@@ -114,6 +114,8 @@ class Conversation:
     """
     ids = token_list(prompt_ids, "prompt_ids")
     self._check(ids, max_new_tokens)
+    if prompt_embeds is None:
+      check_no_placeholders(ids, self.model.placeholder_ids, "the prompt ids")
     if prompt_embeds is not None and (prompt_embeds.ndim != 3 or prompt_embeds.shape[:2] != (1, len(ids))):
       raise ValueError(f"prompt_embeds has shape {tuple(prompt_embeds.shape)}; expected [1, {len(ids)}, hidden]")
     return self._turn(ids, max_new_tokens, prompt_embeds)
@@ -195,8 +197,7 @@ class Conversation:
   def _check(self, ids: list[int], max_new_tokens: int) -> None:
     if not ids:
       raise ValueError("the conversation needs at least one prompt token")
-    if max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_count(max_new_tokens, "max_new_tokens")
     vocab = self.model.config.text.vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
       raise ValueError(f"prompt ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")

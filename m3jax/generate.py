@@ -20,7 +20,7 @@ from flax import nnx
 from m3jax import sharding
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, sample
-from m3jax.token_ids import resolve_stop_ids, token_list
+from m3jax.token_ids import check_count, check_no_placeholders, is_token_id, resolve_stop_ids, token_list
 
 _MIN_BUCKET = 16
 _CACHE_ALIGN = 128
@@ -51,6 +51,9 @@ def pad_prompts(prompts: Sequence[Sequence[int]] | np.ndarray, pad_token_id: int
     prompts = list(arr)
   if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
     raise ValueError(f"expected a non-empty batch of token-id lists, got {prompts!r:.60}")
+  if any(is_token_id(p) for p in prompts):
+    raise ValueError(f"prompt_ids is a batch of prompts (a list of token-id lists, or an array [batch, seq]), but "
+                     f"got a flat list of ids {prompts!r:.40}; for one prompt write [[...]]")
   prompts = [token_list(p, f"prompt {i}") for i, p in enumerate(prompts)]
   empty = [i for i, p in enumerate(prompts) if not p]
   if empty:
@@ -110,11 +113,16 @@ def _put_embeds(put, prompt_embeds, padded: np.ndarray) -> jax.Array | None:
 
 
 def _validate(model: M3ForCausalLM, lengths: np.ndarray, padded: np.ndarray, max_new_tokens: int,
-              max_length: int | None) -> int:
-  """Checks sizes before any compute; returns the cache length."""
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+              max_length: int | None, prompt_embeds: jax.Array | np.ndarray | None = None) -> int:
+  """Checks sizes before any compute; returns the cache length. Without ``prompt_embeds``, image / video
+  placeholder ids of a model with a vision tower are refused (they would be embedded as text)."""
+  check_count(max_new_tokens, "max_new_tokens")
+  if max_length is not None:
+    check_count(max_length, "max_length")
   check_padded_ids(padded, lengths, model.config.text.vocab_size, "prompt ids")
+  if prompt_embeds is None:
+    check_no_placeholders(padded[np.arange(padded.shape[1])[None] < lengths[:, None]], model.placeholder_ids,
+                          "the prompt ids")
   longest = int(lengths.max())
   limit = model.config.text.max_position_embeddings if max_length is None else max_length
   if longest > limit:
@@ -278,7 +286,7 @@ def generate(
   check_prefill_chunk(prefill_chunk)
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   padded, lengths = pad_prompts(prompt_ids, pad_token_id)
-  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
+  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length, prompt_embeds)
   eos_arr = stop_ids(model, eos_token_ids)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
@@ -436,7 +444,7 @@ def prefill(model: M3ForCausalLM, prompt_ids: Sequence[Sequence[int]] | np.ndarr
   """
   check_prefill_chunk(prefill_chunk)
   padded, lengths = pad_prompts(prompt_ids)
-  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length)
+  cache_len = _validate(model, lengths, padded, max_new_tokens, max_length, prompt_embeds)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   logits, caches = _prefill_jit(graphdef, state, put(padded), put(lengths), _put_embeds(put, prompt_embeds, padded),

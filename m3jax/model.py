@@ -22,6 +22,7 @@ from m3jax.layers.quantized import ParamPath, QuantSpec, apply_quantized
 from m3jax.layers.rope import rope_cos_sin
 from m3jax.ops.dispatch import KernelChoice, resolve_kernels
 from m3jax.research import Collect
+from m3jax.token_ids import check_no_placeholders
 from m3jax.vision import embed as vision_embed
 from m3jax.vision.encoder import VisionModel
 
@@ -96,6 +97,12 @@ class M3ForCausalLM(nnx.Module):
       apply_quantized(self, quantized)
     # Mesh + logical-axis rules (m3jax.sharding.ShardingPlan), set by m3jax.load(mesh=...) / shard_model.
     self.sharding_plan: sharding.ShardingPlan | None = None
+
+  @property
+  def placeholder_ids(self) -> tuple[int, ...]:
+    """The image and video placeholder token ids when the vision tower is built (each stands for a vision feature,
+    so a text-only call holding one is refused), else () (a text-only model embeds every id as text)."""
+    return (self.config.image_token_id, self.config.video_token_id) if self.vision is not None else ()
 
   @sharding.uses_model_plan
   def init_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
@@ -281,6 +288,8 @@ class M3ForCausalLM(nnx.Module):
                         pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw)
     if any(v is not None for v in pixel_inputs.values()):
       return vision_embed.multimodal_logits(self, input_ids, **pixel_inputs)
+    if not isinstance(input_ids, jax.core.Tracer):
+      check_no_placeholders(input_ids, self.placeholder_ids, "input_ids")
     return _jit_logits(self, input_ids.astype(jnp.int32))
 
 
@@ -314,6 +323,9 @@ def _check_caches(caches: Sequence[LayerCache], num_layers: int, positions: jax.
 def _check_ids(input_ids: jax.Array, vocab_size: int) -> None:
   if input_ids.ndim != 2:
     raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+  if 0 in input_ids.shape:
+    raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; it needs at least one sequence of at least "
+                     "one token")
   if not jnp.issubdtype(input_ids.dtype, jnp.integer):
     raise ValueError(f"input_ids must be integers, got {input_ids.dtype}")
   if not isinstance(input_ids, jax.core.Tracer):

@@ -11,6 +11,10 @@ import jax.numpy as jnp
 
 from m3jax.token_ids import is_token_id
 
+# The engine and the sampling kernels hold the parameters as int32 / float32 arrays.
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -24,10 +28,14 @@ class SamplingParams:
     if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) or not (
         0 <= self.temperature < math.inf):
       raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-    if self.top_k is not None and (not is_token_id(self.top_k) or self.top_k < 0):
-      raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-    if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+    if self.temperature > _FLOAT32_MAX:
+      raise ValueError(f"temperature must be a finite float32 (<= {_FLOAT32_MAX:.4g}), got {self.temperature!r}")
+    if self.top_k is not None and (not is_token_id(self.top_k) or not 0 <= self.top_k <= _INT32_MAX):
+      raise ValueError(f"top_k must be an integer >= 0 and <= {_INT32_MAX} (int32; 0: no cut, and one above the "
+                       f"vocabulary cuts nothing), got {self.top_k!r}")
+    if self.top_p is not None and (isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real)
+                                   or not 0.0 < self.top_p <= 1.0):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
   @property
   def greedy(self) -> bool:

@@ -6,8 +6,12 @@ server-sent events, one per decode call that gives the request new text, then ``
 or a list of them) ends the text before the first stop string, with finish_reason "stop", and frees the request's
 slot at once; so does a streaming client that hangs up.
 
-One worker thread owns the ``Engine`` (the model's only user); HTTP threads validate a request, submit it, and
-wait on their own queue for its tokens. Each request samples with its own temperature / top_k / top_p / seed (the
+One worker thread owns the ``Engine`` (the model's only user); HTTP threads validate a request
+(m3jax.request_validation: the body's size from its headers before it is read, then every field against the
+engine's limits, then the tokenized prompt), submit it, and wait on their own queue for its tokens. Faults stay
+local: a request whose serving fails gets a 500 (or an error event when streamed) and frees its slot while the
+engine goes on; ``/health`` answers 503 once the engine cannot serve. A client that hangs up, streaming or not,
+cancels its request at the engine's next step. Each request samples with its own temperature / top_k / top_p / seed (the
 server's start values by default); its tokens do not depend on the other requests (m3jax.engine). Fields that
 would change the result but are not implemented (penalties, logit_bias, ...) get a 400 naming them. Streamed text
 never shows a partial character (m3jax.detokenize). Log-probabilities (completions ``logprobs: k``, chat
@@ -22,30 +26,33 @@ import http.server
 import itertools
 import json
 import queue
+import select
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from m3jax import tokenizer as tok_lib
+from m3jax.config import M3Config
 from m3jax.detokenize import TokenStrings
 from m3jax.engine import Engine, Update
 from m3jax.reply import Piece, Reply
-from m3jax.token_ids import is_token_id
+from m3jax.request_validation import (CHAT, ROUTES, Limits, ParsedRequest, RequestError, body_length, check_prompt,
+                                      decode_body, default_body_limit, parse_request)
+
+__all__ = ["Request", "RequestError", "Server", "attach", "bind", "make_handler", "serve"]
+
+_POLL_S = 0.05  # how often a request waiting for its first tokens checks whether its client is still there
+_SOCKET_TIMEOUT_S = 60.0  # a client that stops sending mid-request (or idles on a kept-alive connection)
 
 
-# Request fields that would change the result, with the values that do not (anything else gets a 400).
-_UNSUPPORTED = {"echo": (False,),
-                "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "logit_bias": (None, {}), "suffix": (None, ""), "tools": (None, []),
-                "response_format": (None, {"type": "text"})}
+class GenerationFailed(RuntimeError):
+  """Serving one request failed (the engine ended it with finish_reason "error", or the engine stopped)."""
 
 
-_MAX_STOP_STRINGS = 16
-
-
-class RequestError(ValueError):
-  """A request the server refuses (HTTP 400), with the reason."""
+class ClientGone(Exception):
+  """The request's client closed its connection."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,7 @@ class Request:
   sampling: dict[str, Any]
   stop: tuple[str, ...] = ()
   logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
+  stream: bool = False
 
 
 class Server:
@@ -65,18 +73,26 @@ class Server:
 
   Args:
     engine: the Engine to run (its slots, max_length and sampling serve every request).
-    checkpoint: the checkpoint directory (tokenizer.json, chat template, generation_config.json).
+    checkpoint: the checkpoint directory (tokenizer.json, chat template, generation_config.json, config.json).
     model_name: what ``/v1/models`` and responses report.
+    max_body_bytes: the largest request body read (default: request_validation.default_body_limit).
   """
 
-  def __init__(self, engine: Engine, checkpoint: str, model_name: str = "minimax-m3"):
+  def __init__(self, engine: Engine, checkpoint: str, model_name: str = "minimax-m3", *,
+               max_body_bytes: int | None = None):
     self.engine, self.checkpoint, self.model_name = engine, checkpoint, model_name
     self.tokenizer = tok_lib.load_tokenizer(checkpoint)
     self.token_strings = TokenStrings(self.tokenizer)
+    self.limits = Limits(vocab_size=engine.model.config.text.vocab_size, max_length=engine.max_length,
+                         max_logprobs=engine.top_logprobs if engine.logprobs else None,
+                         max_body_bytes=default_body_limit(engine.max_length) if max_body_bytes is None
+                         else max_body_bytes,
+                         placeholder_ids=_placeholder_ids(checkpoint, engine))
     self._ids = itertools.count()
     self._pending: dict[int, queue.Queue] = {}  # request id -> where its updates go
     self._lock = threading.Condition()
     self._stopping = False
+    self.failure: str | None = None  # why the server cannot serve any more (None while it can)
     self._worker = threading.Thread(target=self._work, name="m3jax-engine", daemon=True)
     self._worker.start()
 
@@ -85,6 +101,16 @@ class Server:
       self._stopping = True
       self._lock.notify_all()
     self._worker.join()
+
+  def health(self) -> str | None:
+    """None while the engine can serve; otherwise why it cannot."""
+    if self.failure is not None:
+      return self.failure
+    if self.engine.broken is not None:
+      return self.engine.broken
+    if not self._worker.is_alive() and not self._stopping:
+      return "the engine's worker thread has stopped"
+    return None
 
   def _work(self) -> None:
     while True:
@@ -97,11 +123,18 @@ class Server:
         for update in self.engine.stream():
           self._deliver(update)
       except Exception as e:  # pylint: disable=broad-except
-        # The engine failed (e.g. out of device memory): fail every waiting request rather than hang them.
+        # Not one request's fault (those end with finish_reason "error"): the engine stopped. Fail every waiting
+        # request rather than hang it, then start the engine afresh; if it cannot, the server reports it.
+        failure = GenerationFailed(f"the engine failed ({type(e).__name__}: {e})")
         with self._lock:
           for updates in self._pending.values():
-            updates.put(e)
+            updates.put(failure)
           self._pending.clear()
+          try:
+            self.engine.reset()
+          except Exception as again:  # pylint: disable=broad-except
+            self.failure = f"the engine cannot serve: {type(e).__name__}: {e} ({type(again).__name__}: {again})"
+            return
 
   def _deliver(self, update: Update) -> None:
     with self._lock:
@@ -111,12 +144,35 @@ class Server:
     if updates is not None:
       updates.put(update)
 
+  def parse(self, path: str, body: Any) -> Request:
+    """A completions / chat request body -> the checked Request; RequestError names what is wrong."""
+    return self.prepare(parse_request(path, body, self.limits))
+
+  def prepare(self, parsed: ParsedRequest) -> Request:
+    """A request whose fields are checked -> its prompt ids (the chat template rendered, the text tokenized),
+    checked against the engine (vocabulary, placeholders, length)."""
+    if parsed.messages is not None:
+      try:
+        text = tok_lib.render_messages(self.checkpoint, [dict(m) for m in parsed.messages])
+      except ValueError as e:  # ChatTemplateError: the template refused the messages (raise_exception) or failed
+        raise RequestError(str(e)) from None
+      ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    elif parsed.text is not None:
+      ids = self.tokenizer.encode(parsed.text, add_special_tokens=False).ids
+    else:
+      ids = list(parsed.prompt_ids)
+    check_prompt(ids, parsed.max_tokens, self.limits)
+    return Request(ids, parsed.max_tokens, dict(parsed.sampling), parsed.stop, parsed.logprobs, parsed.stream)
+
   def submit(self, request: Request) -> tuple[int, queue.Queue]:
-    """Queues a request -> (its id, the queue its ``Update``s arrive on; an exception there if the engine
-    failed)."""
+    """Queues a request -> (its id, the queue its ``Update``s arrive on; a GenerationFailed there if the engine
+    stopped). RequestError 503 when the engine cannot serve, 400 when it refuses the request."""
     request_id = next(self._ids)
     updates: queue.Queue = queue.Queue()
     with self._lock:
+      failure = self.health()
+      if failure is not None:
+        raise RequestError(f"the server cannot serve: {failure}", 503)
       try:
         self.engine.submit(request.prompt_ids, max_new_tokens=request.max_tokens, request_id=request_id,
                            **request.sampling)
@@ -132,43 +188,45 @@ class Server:
       self._pending.pop(request_id, None)
     self.engine.cancel(request_id)
 
-  def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = ()) -> Iterator[Piece]:
+  def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = (),
+             client_gone: Callable[[], bool] | None = None) -> Iterator[Piece]:
     """A submitted request's reply as it comes, one Piece per update (m3jax.reply): the stop token is not shown
     (nor listed); a stop string ends the text before it (finish_reason "stop"; tokens counted and listed up to the
-    one that completed it) and cancels the rest of the request. Raises what the engine raised."""
-    reply = Reply(self.tokenizer, stop, self.token_strings)
-    while True:
-      update = updates.get()
-      if isinstance(update, Exception):
-        raise update
-      piece = reply.add(update)
-      if reply.cancel:
-        self.cancel(request_id)
-      yield piece
-      if piece.finish_reason is not None:
-        return
+    one that completed it) and cancels the rest of the request.
 
-  def _parse_logprobs(self, body: dict[str, Any], chat: bool) -> int | None:
-    """completions: logprobs = k (int); chat: logprobs = true, top_logprobs = k -> k, or None for none."""
-    if chat:
-      want, k = body.get("logprobs"), body.get("top_logprobs")
-      if want not in (None, False, True):
-        raise RequestError(f"logprobs must be true or false, got {want!r}")
-      if k is not None and not want:
-        raise RequestError("top_logprobs needs logprobs: true")
-      k = (k or 0) if want else None
-    else:
-      k = body.get("logprobs")
-    if k is None:
-      return None
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-      raise RequestError(f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {k!r}")
-    if not self.engine.logprobs:
-      raise RequestError("log-probabilities are off on this server (m3jax serve --max-logprobs -1)")
-    if k > self.engine.top_logprobs:
-      raise RequestError(f"at most {self.engine.top_logprobs} log-probabilities per token on this server "
-                         f"(m3jax serve --max-logprobs), got {k}")
-    return k
+    Raises GenerationFailed when serving the request failed, and ClientGone when ``client_gone()`` (asked at each
+    update, and every few tens of milliseconds while the request waits) says its client left. However the
+    iteration ends before the reply does (an exception here or in the caller, or ``close()``), the request is
+    cancelled, so its slot is freed at the engine's next step.
+    """
+    reply = Reply(self.tokenizer, stop, self.token_strings)
+    finished = False
+    try:
+      while True:
+        try:
+          update = updates.get(timeout=None if client_gone is None else _POLL_S)
+        except queue.Empty:
+          if client_gone():
+            raise ClientGone() from None
+          continue
+        if isinstance(update, Exception):
+          finished = True
+          raise update
+        if update.completion is not None and update.completion.finish_reason == "error":
+          finished = True
+          raise GenerationFailed(update.completion.error or "unknown error")
+        if client_gone is not None and client_gone():
+          raise ClientGone()
+        piece = reply.add(update)
+        if reply.cancel:
+          self.cancel(request_id)
+        finished = piece.finish_reason is not None
+        yield piece
+        if finished:
+          return
+    finally:
+      if not finished:
+        self.cancel(request_id)
 
   def logprobs_json(self, piece: Piece, k: int, chat: bool) -> dict[str, Any]:
     """A piece's tokens in OpenAI's logprobs layout (chat: {"content": [...]}; completions: tokens /
@@ -184,56 +242,16 @@ class Server:
             "top_logprobs": [{names.text(a): b for a, b in top} for top in tops] if k else None,
             "text_offset": piece.offsets}
 
-  def parse(self, path: str, body: dict[str, Any]) -> Request:
-    """A completions / chat request body -> the checked Request; RequestError names what is wrong."""
-    if not isinstance(body, dict):
-      raise RequestError("the body must be a JSON object")
-    sampling = {}
-    for name, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int), ("seed", int)):
-      value = body.get(name)
-      if value is not None:
-        if not isinstance(value, kind) or isinstance(value, bool):
-          raise RequestError(f"{name} must be a number, got {value!r}")
-        sampling[name] = value
-    if sampling.get("top_k") == -1:  # some clients' "no cut"
-      sampling["top_k"] = 0
-    chat = path == "/v1/chat/completions"
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 256 if chat else 16))  # OpenAI's defaults
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-      raise RequestError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if body.get("n", 1) != 1:
-      raise RequestError("n > 1 is not supported")
-    for name, harmless in _UNSUPPORTED.items():
-      if name in body and body[name] not in harmless:
-        raise RequestError(f"{name}={body[name]!r} is not supported by this server (it would be ignored)")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stop, list) or len(stop) > _MAX_STOP_STRINGS
-        or not all(isinstance(x, str) for x in stop)):
-      raise RequestError(f"stop must be a string or a list of at most {_MAX_STOP_STRINGS} strings, got "
-                         f"{body.get('stop')!r}")
-    stop = tuple(x for x in stop if x)  # "" stops nothing (OpenAI accepts it)
-    logprobs = self._parse_logprobs(body, chat)
-    if chat:
-      messages = body.get("messages")
-      if not isinstance(messages, list) or not messages:
-        raise RequestError('"messages" must be a non-empty list of {"role", "content"} objects')
-      for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
-          raise RequestError(f"each message needs a string role and string content, got {m!r}")
-      text = tok_lib.render_messages(self.checkpoint, [{"role": m["role"], "content": m["content"]}
-                                                       for m in messages])
-      return Request(self.tokenizer.encode(text, add_special_tokens=False).ids, max_tokens, sampling, stop,
-                     logprobs)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-      prompt = prompt[0]
-    if isinstance(prompt, str) and prompt:
-      return Request(self.tokenizer.encode(prompt, add_special_tokens=False).ids, max_tokens, sampling, stop,
-                     logprobs)
-    if isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
-      return Request(prompt, max_tokens, sampling, stop, logprobs)
-    raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
+
+def _placeholder_ids(checkpoint: str, engine: Engine) -> tuple[int, ...]:
+  """The image / video placeholder ids when the checkpoint is a vision-language one (config.json has a
+  vision_config): the server runs the text backbone and takes no images, so a prompt holding one is refused."""
+  if engine.model.placeholder_ids:
+    return engine.model.placeholder_ids
+  try:
+    return M3Config.from_file(checkpoint).placeholder_ids
+  except (OSError, ValueError):
+    return ()
 
 
 def make_handler(server: Server):
@@ -241,6 +259,7 @@ def make_handler(server: Server):
 
   class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = _SOCKET_TIMEOUT_S
 
     def log_message(self, format, *args):  # pylint: disable=redefined-builtin
       del format, args  # quiet; the CLI reports per request on stderr
@@ -250,52 +269,89 @@ def make_handler(server: Server):
       self.send_response(status)
       self.send_header("Content-Type", "application/json")
       self.send_header("Content-Length", str(len(data)))
+      if self.close_connection:
+        self.send_header("Connection", "close")
       self.end_headers()
       self.wfile.write(data)
 
     def _error(self, status: int, message: str) -> None:
-      self._json(status, {"error": {"message": message, "type": "invalid_request_error" if status == 400
-                                    else "server_error", "code": status}})
+      kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+      self._json(status, {"error": {"message": message, "type": kind, "code": status}})
+
+    def _client_gone(self) -> bool:
+      """True once the client has closed its end of the connection (a readable socket with nothing to read)."""
+      try:
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+      except (OSError, ValueError):
+        return True
 
     def do_GET(self):  # pylint: disable=invalid-name
       if self.path == "/health":
-        self._json(200, {"status": "ok"})
+        failure = server.health()
+        if failure is None:
+          self._json(200, {"status": "ok"})
+        else:
+          self._json(503, {"status": "error", "message": failure})
       elif self.path == "/v1/models":
         self._json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                                       "owned_by": "m3jax"}]})
       else:
-        self._error(404, f"no route {self.path}")
+        self._error(404, f"no route {self.path[:80]}")
 
     def do_POST(self):  # pylint: disable=invalid-name
-      if self.path not in ("/v1/completions", "/v1/chat/completions"):
-        self._error(404, f"no route {self.path}")
+      try:
+        length = body_length(self.headers, server.limits.max_body_bytes)
+      except RequestError as e:  # the body is not read: nothing after it on this connection can be parsed
+        self.close_connection = True
+        self._error(e.status, str(e))
         return
       try:
-        length = int(self.headers.get("Content-Length", 0))
-        body = json.loads(self.rfile.read(length) or b"null")
-      except (ValueError, json.JSONDecodeError) as e:
-        self._error(400, f"the body is not JSON: {e}")
+        data = self.rfile.read(length)
+      except OSError:  # the client stopped sending (socket timeout) or left
+        self.close_connection = True
+        return
+      if len(data) < length:  # the client closed before sending the whole body
+        self.close_connection = True
+        return
+      if self.path not in ROUTES:
+        self._error(404, f"no route {self.path[:80]}")
         return
       try:
-        request = server.parse(self.path, body)
+        request = server.prepare(parse_request(self.path, decode_body(data), server.limits))
         request_id, updates = server.submit(request)
-      except (RequestError, ValueError) as e:
-        self._error(400, str(e))
+      except RequestError as e:
+        self._error(e.status, str(e))
         return
-      chat = self.path == "/v1/chat/completions"
+      except Exception as e:  # pylint: disable=broad-except  (e.g. the tokenizer failed on this prompt)
+        self._error(500, f"internal error: {type(e).__name__}: {e}")
+        return
+      chat = self.path == CHAT
       reply = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "created": int(time.time()),
                "model": server.model_name}
-      pieces = server.follow(request_id, updates, request.stop)
-      if body.get("stream"):
-        self._stream(pieces, request, request_id, chat, reply)
-      else:
-        self._whole(pieces, request, chat, reply)
+      pieces = server.follow(request_id, updates, request.stop, self._client_gone)
+      self._streaming = answered = False
+      try:
+        if request.stream:
+          self._stream(pieces, request, chat, reply)
+        else:
+          self._whole(pieces, request, chat, reply)
+        answered = True
+      except (ClientGone, BrokenPipeError, ConnectionResetError):
+        self.close_connection = True
+      except Exception as e:  # pylint: disable=broad-except  (a fault while answering: this request's alone)
+        self.close_connection = True
+        if not self._streaming:
+          self._error(500, f"internal error: {type(e).__name__}: {e}")
+      finally:
+        pieces.close()
+        if not answered:  # the engine frees its slot at the next call (nothing if it had finished)
+          server.cancel(request_id)
 
     def _whole(self, pieces, request: Request, chat: bool, reply: dict[str, Any]) -> None:
-      merged = []
       try:
         merged = list(pieces)
-      except Exception as e:  # pylint: disable=broad-except
+      except (GenerationFailed, RequestError) as e:
         self._error(500, f"generation failed: {e}")
         return
       text = "".join(p.text for p in merged)
@@ -316,33 +372,30 @@ def make_handler(server: Server):
                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": last.generated,
                                  "total_tokens": prompt_tokens + last.generated}})
 
-    def _stream(self, pieces, request: Request, request_id: int, chat: bool, reply: dict[str, Any]) -> None:
+    def _stream(self, pieces, request: Request, chat: bool, reply: dict[str, Any]) -> None:
       self.send_response(200)
       self.send_header("Content-Type", "text/event-stream")
       self.send_header("Cache-Control", "no-cache")
+      self.send_header("Connection", "close")
       self.end_headers()
       self.close_connection = True
+      self._streaming = True
       first = True
       reply = {**reply, "object": "chat.completion.chunk" if chat else "text_completion"}
       try:
-        try:
-          for piece in pieces:
-            if not piece.text and piece.finish_reason is None:
-              continue  # held back (a partial character, or a possible stop string's start)
-            message = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
-            first = False
-            choice = {"index": 0, "delta": message} if chat else {"index": 0, "text": piece.text}
-            if request.logprobs is not None:
-              choice["logprobs"] = server.logprobs_json(piece, request.logprobs, chat)
-            self._event({**reply, "choices": [{**choice, "finish_reason": piece.finish_reason}]})
-        except (BrokenPipeError, ConnectionResetError):
-          raise
-        except Exception as e:  # pylint: disable=broad-except
-          self._event({"error": {"message": f"generation failed: {e}", "code": 500}})
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
-      except (BrokenPipeError, ConnectionResetError):
-        server.cancel(request_id)  # the client left: free its slot now rather than after max_tokens
+        for piece in pieces:
+          if not piece.text and piece.finish_reason is None:
+            continue  # held back (a partial character, or a possible stop string's start)
+          message = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
+          first = False
+          choice = {"index": 0, "delta": message} if chat else {"index": 0, "text": piece.text}
+          if request.logprobs is not None:
+            choice["logprobs"] = server.logprobs_json(piece, request.logprobs, chat)
+          self._event({**reply, "choices": [{**choice, "finish_reason": piece.finish_reason}]})
+      except GenerationFailed as e:
+        self._event({"error": {"message": f"generation failed: {e}", "type": "server_error", "code": 500}})
+      self.wfile.write(b"data: [DONE]\n\n")
+      self.wfile.flush()
 
     def _event(self, payload: dict[str, Any]) -> None:
       self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
@@ -351,8 +404,45 @@ def make_handler(server: Server):
   return Handler
 
 
-def serve(server: Server, host: str = "127.0.0.1", port: int = 8000) -> http.server.ThreadingHTTPServer:
-  """An HTTP server bound to host:port (port 0 picks a free one); call ``serve_forever`` on it."""
-  httpd = http.server.ThreadingHTTPServer((host, port), make_handler(server))
+class _Loading(http.server.BaseHTTPRequestHandler):
+  """Answers 503 while the model loads (``bind`` before ``attach``)."""
+
+  protocol_version = "HTTP/1.1"
+
+  def log_message(self, format, *args):  # pylint: disable=redefined-builtin
+    del format, args
+
+  def _loading(self):
+    self.close_connection = True
+    data = json.dumps({"status": "loading"}).encode()
+    self.send_response(503)
+    self.send_header("Content-Type", "application/json")
+    self.send_header("Content-Length", str(len(data)))
+    self.send_header("Connection", "close")
+    self.end_headers()
+    self.wfile.write(data)
+
+  do_GET = do_POST = _loading  # noqa: N815
+
+
+def bind(host: str = "127.0.0.1", port: int = 8000) -> http.server.ThreadingHTTPServer:
+  """Binds host:port now (port 0 picks a free one), so that a port in use fails before anything else is done;
+  ``attach`` gives it the Server to answer with. ValueError naming the address when it cannot listen there."""
+  try:
+    httpd = http.server.ThreadingHTTPServer((host, port), _Loading)
+  except OSError as e:
+    raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? pick another "
+                     "--port)") from None
   httpd.daemon_threads = True
   return httpd
+
+
+def attach(httpd: http.server.ThreadingHTTPServer, server: Server) -> http.server.ThreadingHTTPServer:
+  """Makes a bound HTTP server answer with ``server`` (call ``serve_forever`` on it)."""
+  httpd.RequestHandlerClass = make_handler(server)
+  return httpd
+
+
+def serve(server: Server, host: str = "127.0.0.1", port: int = 8000) -> http.server.ThreadingHTTPServer:
+  """An HTTP server bound to host:port (port 0 picks a free one); call ``serve_forever`` on it."""
+  return attach(bind(host, port), server)

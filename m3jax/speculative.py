@@ -39,6 +39,7 @@ from m3jax.generate import (Decoder, _GraphKey, _put_embeds, _put_fn, _validate,
                             prefill_in_chunks, stop_ids, token_buffer_width)
 from m3jax.model import M3ForCausalLM
 from m3jax.sampling import SamplingParams, filtered_logits, sample
+from m3jax.token_ids import check_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,9 +221,11 @@ def _speculative_jit(graphdef, state, prompt, lengths, key, eos_ids, pad_id, emb
 
 def _prepare(model: M3ForCausalLM, prompt_ids, num_draft_tokens: int, max_new_tokens: int, max_length: int | None,
              pad_token_id: int, temperature: float, top_k: int | None, top_p: float | None,
-             prefill_chunk: int | None) -> tuple[SamplingParams, np.ndarray, np.ndarray, int]:
+             prefill_chunk: int | None, prompt_embeds=None) -> tuple[SamplingParams, np.ndarray, np.ndarray, int]:
   """Checks the request before any compute -> (sampling, padded prompts, lengths, cache length)."""
   check_prefill_chunk(prefill_chunk)
+  check_count(max_new_tokens, "max_new_tokens")
+  check_count(num_draft_tokens, "num_draft_tokens")
   if model.mtp is None:
     raise ValueError("speculative decoding needs the model's MTP modules: load it with with_mtp=True")
   if num_draft_tokens < 1:
@@ -230,7 +233,7 @@ def _prepare(model: M3ForCausalLM, prompt_ids, num_draft_tokens: int, max_new_to
   sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
   padded, lengths = pad_prompts(prompt_ids, pad_token_id)
   try:
-    cache_len = _validate(model, lengths, padded, max_new_tokens + num_draft_tokens, max_length)
+    cache_len = _validate(model, lengths, padded, max_new_tokens + num_draft_tokens, max_length, prompt_embeds)
   except ValueError as e:
     raise ValueError(f"{e} (max_new_tokens counted with the {num_draft_tokens} draft slots of the last "
                      "verification)") from None
@@ -266,7 +269,8 @@ def generate_speculative(
     SpeculativeOutput (tokens, lengths, and every round's drafts and acceptance counts).
   """
   sampling, padded, lengths, cache_len = _prepare(model, prompt_ids, num_draft_tokens, max_new_tokens, max_length,
-                                                  pad_token_id, temperature, top_k, top_p, prefill_chunk)
+                                                  pad_token_id, temperature, top_k, top_p, prefill_chunk,
+                                                  prompt_embeds)
   graphdef, state = nnx.split(model)
   put = _put_fn(model)
   tokens, produced, rounds, drafts, accepted = _speculative_jit(
@@ -346,7 +350,7 @@ def generate_speculative_stream(
   if rounds_per_call < 1:
     raise ValueError(f"rounds_per_call must be >= 1, got {rounds_per_call}")
   sampling, padded, lengths, cache_len = _prepare(model, prompt_ids, num_draft_tokens, max_new_tokens, max_length,
-                                                  0, temperature, top_k, top_p, prefill_chunk)
+                                                  0, temperature, top_k, top_p, prefill_chunk, prompt_embeds)
   decoder = Decoder.of(model)
   put = decoder.put
   eos_ids = put(stop_ids(model, eos_token_ids))

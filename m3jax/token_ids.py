@@ -20,6 +20,27 @@ def is_token_id(value: object) -> bool:
   return dtype is not None and shape == () and np.issubdtype(dtype, np.integer)
 
 
+def check_count(value: object, what: str, minimum: int = 1) -> int:
+  """A count such as max_new_tokens: an integer (Python or numpy, not a bool or a float like 2.5 or 2.0) >= minimum
+  -> int; raises ValueError naming ``what`` otherwise."""
+  if not is_token_id(value):
+    raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
+  if int(value) < minimum:
+    raise ValueError(f"{what} must be >= {minimum}, got {value}")
+  return int(value)
+
+
+def check_no_placeholders(ids: Sequence[int] | np.ndarray, placeholder_ids: Sequence[int], what: str) -> None:
+  """Raises ValueError naming ``what`` when ``ids`` hold an image / video placeholder token: the model would embed
+  it as an ordinary token, but it stands for image features nobody gave."""
+  if not len(placeholder_ids):
+    return
+  found = sorted(set(np.asarray(ids).ravel().tolist()) & {int(t) for t in placeholder_ids})
+  if found:
+    raise ValueError(f"{what} hold image / video placeholder tokens {found} but no image or video was given (pass "
+                     "the images, e.g. --image, or remove the placeholders)")
+
+
 def token_list(ids: Sequence[int] | np.ndarray, what: str) -> list[int]:
   """A 1-D sequence of integer ids -> list[int]; raises ValueError naming ``what`` on a non-integer entry."""
   if isinstance(ids, (str, bytes)):

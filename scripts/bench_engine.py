@@ -43,9 +43,9 @@ class StaticEngine(Engine):
   """Static batching with the engine's own programs: new requests are admitted only when every slot is free, so a
   batch decodes until its largest budget, as ``generate`` over batches of ``slots`` requests would."""
 
-  def _admit(self) -> None:
+  def _admit(self):
     if all(s is None for s in self._slots):
-      super()._admit()
+      yield from super()._admit()
 
 
 def run(engine_cls, model, requests, slots: int, steps_per_call: int, max_length: int

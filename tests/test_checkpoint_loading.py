@@ -79,12 +79,17 @@ def test_shape_mismatch_names_tensor_and_shapes(tmp_path, tiny_model):
     m3jax.load(tmp_path)
 
 
-def test_vision_and_mtp_tensors_are_skipped(tmp_path, tiny_model, ids):
+def test_mtp_tensors_are_skipped_and_unexpected_vision_tensors_raise(tmp_path, tiny_model, ids):
   f = _single_file_checkpoint(tmp_path, tiny_model)
-  _rewrite(f, lambda t: t.update({
-      "vision_tower.vision_model.pre_layrnorm.weight": np.ones(32, np.float32),
-      "language_model.model.mtp.layers.0.enorm.weight": np.ones(64, np.float32)}))
+  _rewrite(f, lambda t: t.update({"language_model.model.mtp.layers.0.enorm.weight": np.ones(64, np.float32)}))
   np.testing.assert_array_equal(m3jax.load(tmp_path)(ids), tiny_model(ids))
+  # A vision tensor in a checkpoint whose config has no vision_config is unexpected, like any other (#45), even
+  # for a text-only load (which skips the vision tower of a config that declares one).
+  _rewrite(f, lambda t: t.update({"vision_tower.vision_model.pre_layrnorm.weight": np.ones(32, np.float32)}))
+  for text_only in (False, True):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unexpected tensor "
+                                              r"'vision_tower\.vision_model\.pre_layrnorm\.weight' \(shape \[32\]\)"):
+      m3jax.load(tmp_path, text_only=text_only)
 
 
 def test_config_that_does_not_match_the_tensors(tmp_path, tiny_model):

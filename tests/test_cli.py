@@ -152,13 +152,18 @@ def test_generate_speculative_streams_the_library_tokens(capsys, demo_dir, tmp_p
 
 @pytest.mark.slow
 def test_chat_keeps_its_caches_between_turns(capsys, monkeypatch, demo_dir):
-  monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\nWhat is sparse attention?\n/reset\nHello there\n"))
+  from m3jax.vision import IMAGE_MARKER  # pylint: disable=g-import-not-at-top
+  # The third line holds an image placeholder but no image was attached: that turn is refused and dropped (#45).
+  monkeypatch.setattr("sys.stdin", io.StringIO(f"Hello there\n\nLook: {IMAGE_MARKER}\nWhat is sparse attention?\n"
+                                               "/reset\nHello there\n"))
   assert cli.main(["chat", str(demo_dir), "--max-new-tokens", "6", "--kernels", "reference", "--system",
                    "Be brief."]) == 0
   out, err = capsys.readouterr()
   replies = out.split("\n")[:3]
   turns = re.findall(r"turn (\d): (\d+) tokens from the cache, (\d+) prefilled, (\d+) generated", err)
   assert [t[0] for t in turns] == ["1", "2", "3"] and "conversation reset" in err
+  assert "[m3jax] error: the prompt ids hold image / video placeholder tokens [5] but no image or video was given" in err
+  assert "; turn dropped" in err
   tok = load_tokenizer(demo_dir)
   first = render_messages(demo_dir, [{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "Hello there"}])
@@ -215,7 +220,7 @@ def test_score_prints_the_library_perplexity(capsys, demo_dir, tmp_path):
 @pytest.mark.slow
 def test_batch_writes_each_prompts_own_completion_in_input_order(capsys, demo_dir, tmp_path):
   tok = load_tokenizer(demo_dir)
-  requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [5, 6, 7]},
+  requests = [{"prompt": "What is sparse attention?", "id": "a"}, {"prompt_ids": [7, 8, 9]},
               {"prompt": "A block holds one hundred and twenty-eight keys, and the indexer picks sixteen."},
               {"prompt": "Hi", "id": 4}, {"prompt_ids": list(range(10, 60))}]
   src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -273,6 +278,7 @@ def test_batch_stop_strings_cut_the_completion_and_its_ids(demo_dir, tmp_path):
     ('{"prompt_ids": [1, 100000]}', "in.jsonl:2: token ids outside [0, "),
     ('{"prompt": ""}', '"prompt" must be a non-empty string'),
     ('{"prompt": "a", "stop": [""]}', 'in.jsonl:2: "stop" must be a non-empty string or a list of them'),
+    ('{"prompt_ids": [7, 5]}', "in.jsonl:2: the prompt ids hold image / video placeholder tokens [5]"),
 ])
 @pytest.mark.quick
 def test_batch_names_the_bad_line(capsys, demo_dir, tmp_path, line, message):
@@ -300,3 +306,95 @@ def test_chat_with_an_image_reuses_the_image_turn(capsys, monkeypatch, demo_dir,
   one_marker = len(load_tokenizer(demo_dir).encode(text, add_special_tokens=False).ids)
   assert turns[0][1:] == ("0", str(n1)) and n1 == one_marker + 2 + 5  # start, 6 placeholders (24 patches / 4), end
   assert int(turns[1][1]) >= n1  # turn 2 re-renders the image turn, served from the cache
+
+
+# Reliability (#45).
+
+
+def test_generate_drops_eos_ids_outside_the_vocabulary_with_a_warning(capsys, tmp_path):
+  """#45: generate refused HF-made checkpoints whose config carries an eos id outside the vocabulary, with a
+  message about eos ids the user never passed."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  ckpt = tmp_path / "hf"
+  shutil.copytree(FIXTURES / "flat_b16" / "checkpoint", ckpt)
+  config = json.loads((ckpt / "config.json").read_text())
+  config["text_config"]["eos_token_id"] = 200020  # the full model's eos id; this vocabulary has 256 ids
+  (ckpt / "config.json").write_text(json.dumps(config))
+  (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [300, 200020]}))
+  ref = np.load(FIXTURES / "flat_b16" / "reference.npz")
+  prompt = ",".join(map(str, ref["input_ids"][0, :ref["gen_prompt_lens"][0]].tolist()))
+  want = ref["gen_tokens"][0, :10].tolist()
+  base = ["generate", str(ckpt), "--prompt-ids", prompt, "--max-new-tokens", "10", "--kernels", "reference"]
+  assert cli.main(base) == 0
+  out, err = capsys.readouterr()
+  assert [int(t) for t in out.split()] == want
+  assert (f"[m3jax] warning: {ckpt}/config.json: eos_token_id 200020 is outside the vocabulary [0, 256), so the "
+          "model can never produce it; ignored (--eos-ids sets the stop tokens)") in err
+  assert f"{ckpt}/generation_config.json: eos_token_id 300 is outside" in err
+  assert cli.main([*base, "--eos-ids", str(want[3])]) == 0  # --eos-ids overrides: no warning, stops at it
+  out, err = capsys.readouterr()
+  assert [int(t) for t in out.split()] == want[:want.index(want[3]) + 1] and "warning" not in err
+  assert cli.main([*base, "--eos-ids", "7,999"]) == 2
+  assert capsys.readouterr().err == "m3jax generate: error: --eos-ids outside [0, 256): [999]\n"
+  (ckpt / "generation_config.json").write_text("[300]")
+  assert cli.main(base) == 2
+  assert "generation_config.json: must be a JSON object, got a JSON list" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["batch", "--input", "in.jsonl", "--output", "o.jsonl", "--top-k", "3000000000"],
+     "sampling options: top_k must be an integer >= 0 and <= 2147483647"),
+    (["generate", "--prompt-ids", "1,2", "--top-k", "3000000000"], "top_k must be an integer >= 0 and <= 2147483647"),
+    (["serve", "--top-k", "3000000000"], "top_k must be an integer >= 0 and <= 2147483647"),
+    (["chat", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "0"], "--max-new-tokens must be in [1, 2147483647]"),
+    (["generate", "--prompt-ids", "1,,2"], "--prompt-ids: entry 1 is ''"),
+    (["generate", "--prompt-ids", "1", "--seed", "-1"], "--seed must be in [0, 2147483647], got -1"),
+    (["batch", "--input", "in.jsonl", "--output", "o.jsonl", "--batch-size", "0"], "--batch-size must be in [1, "),
+    (["serve", "--max-logprobs", "-2"], "--max-logprobs must be >= -1"),
+])
+def test_options_are_checked_before_the_model_loads(capsys, monkeypatch, demo_dir, tmp_path, argv, message):
+  """#45: `m3jax batch --top-k 3000000000` crashed with a traceback (after loading the model)."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "in.jsonl").write_text('{"prompt": "Hi"}\n')
+  monkeypatch.setattr(m3jax, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+  assert cli.main([argv[0], str(demo_dir), *argv[1:]]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith(f"m3jax {argv[0]}: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_generate_refuses_image_placeholders_without_an_image(capsys, demo_dir):
+  from m3jax.vision import IMAGE_MARKER  # pylint: disable=g-import-not-at-top
+  assert cli.main(["generate", str(demo_dir), "--prompt", f"{IMAGE_MARKER} Describe.", "--max-new-tokens", "2"]) == 2
+  assert ("m3jax generate: error: the prompt ids hold image / video placeholder tokens [5] but no image or video "
+          "was given") in capsys.readouterr().err
+  model = m3jax.load(demo_dir, kernels="reference")  # with its vision tower: ids 5 / 6 stand for image features
+  with pytest.raises(ValueError, match=r"input_ids hold image / video placeholder tokens \[6\]"):
+    model(np.asarray([[7, 6, 8]], np.int32))
+  with pytest.raises(ValueError, match=r"the prompt ids hold image / video placeholder tokens \[5\]"):
+    generate(model, [[7, 8], [5, 9]], max_new_tokens=2)
+
+
+def test_batch_writes_the_prompts_that_ran_and_reports_the_one_that_failed(capsys, monkeypatch, demo_dir,
+                                                                            tmp_path):
+  import m3jax.engine as engine_module  # pylint: disable=g-import-not-at-top
+  real = engine_module._admit_jit
+
+  def admit(graph, params, prompts, *args, **kwargs):  # a prefill out of memory for buckets of 64+ (simulated)
+    if prompts.shape[1] >= 64:
+      raise RuntimeError("RESOURCE_EXHAUSTED: simulated out of memory")
+    return real(graph, params, prompts, *args, **kwargs)
+
+  monkeypatch.setattr(engine_module, "_admit_jit", admit)
+  src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text(json.dumps({"prompt_ids": [7, 8, 9]}) + "\n" + json.dumps({"prompt_ids": list(range(10, 60))}) + "\n")
+  assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--batch-size", "2",
+                   "--max-new-tokens", "5", "--kernels", "reference"]) == 2
+  err = capsys.readouterr().err
+  assert err.endswith("m3jax batch: error: 1 of 2 prompts failed (their lines in " + str(dst) + " say why; the first, "
+                      + str(src) + ":2: RuntimeError: RESOURCE_EXHAUSTED: simulated out of memory)\n")
+  ok, failed = [json.loads(x) for x in dst.read_text().splitlines()]
+  model = m3jax.load(demo_dir, kernels="reference", text_only=True)
+  alone = generate(model, [[7, 8, 9]], max_new_tokens=5, eos_token_ids=model.config.text.eos_token_ids)
+  assert ok["completion_ids"] == alone.tokens[0, :alone.lengths[0]].tolist()
+  assert failed["finish_reason"] == "error" and "RESOURCE_EXHAUSTED" in failed["error"]

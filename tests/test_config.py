@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from m3jax.config import ConfigError, M3Config, m3_full, tiny
 
@@ -172,3 +174,80 @@ def test_full_preset_matches_the_released_dims():
   assert (t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim) == (6144, 60, 64, 4, 128)
   assert t.rotary_dim == 64 and t.num_sparse_layers == 57 and t.num_moe_layers == 57
   assert (t.num_experts, t.num_experts_per_tok, t.index_topk_blocks, t.index_block_size) == (128, 4, 16, 128)
+
+
+def test_an_empty_or_malformed_config_names_what_is_missing():
+  """#45: config.json = {} parsed as the full 427B model; a JSON list or text_config: null gave a traceback."""
+  with pytest.raises(ConfigError, match="the config lacks 'vocab_size', 'hidden_size', 'num_hidden_layers', "
+                                        "'num_attention_heads', 'num_key_value_heads', 'intermediate_size'"):
+    M3Config.from_dict({})
+  with pytest.raises(ConfigError, match="the config must be a JSON object, got a JSON array"):
+    M3Config.from_dict([1, 2])
+  with pytest.raises(ConfigError, match="config key 'text_config': must be a JSON object, got null"):
+    M3Config.from_dict({"text_config": None})
+  with pytest.raises(ConfigError, match=r"text_config \(with MoE layers\) lacks 'num_local_experts / num_experts'"):
+    M3Config.from_dict(_with(LEGACY, num_local_experts=None))
+  bad_vision = json.loads(json.dumps(LEGACY))
+  bad_vision["vision_config"] = {}
+  with pytest.raises(ConfigError, match="vision_config lacks 'hidden_size', 'intermediate_size'"):
+    M3Config.from_dict(bad_vision)
+  for updates, key in (({"rope_parameters": [1]}, "rope_parameters"), ({"sparse_attention_config": 3},
+                                                                        "sparse_attention_config"),
+                       ({"rms_norm_eps": float("nan")}, "rms_norm_eps"), ({"num_attention_heads": 0, "head_dim": None},
+                                                                          "num_attention_heads"),
+                       ({"moe_layer_freq": [[0], 1, 0, 1]}, "moe_layer_freq"), ({"num_hidden_layers": 10**12},
+                                                                                "num_hidden_layers")):
+    with pytest.raises(ConfigError, match=key):
+      M3Config.from_dict(_with(LEGACY, **updates))
+
+
+def test_from_file_refuses_json_that_is_not_an_object(tmp_path):
+  for text, message in (("[1, 2]", "must be a JSON object, got a JSON array"), ('{"text_config": null}', "null"),
+                        ("{", "not valid JSON"), ("{}", "lacks 'vocab_size'")):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=message) as e:
+      M3Config.from_file(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value)
+
+
+# Properties (hypothesis): any JSON shape, and any corruption of a valid config, parses or raises ConfigError.
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                     st.text(max_size=6), st.sampled_from(["silu", "swigluoai", "default", "sparse", "dense",
+                                                           "full_attention", "minimax_m3_sparse", "sigmoid"]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                        st.dictionaries(st.text(max_size=8), inner, max_size=5)),
+                     max_leaves=16)
+_TEXT_KEYS = sorted(set(FLAT["text_config"]) | set(LEGACY["text_config"]) | {"head_dim", "rope_scaling"})
+
+
+def _parses_or_config_error(raw):
+  try:
+    cfg = M3Config.from_dict(raw)
+  except ConfigError as e:
+    assert str(e) and "\n" not in str(e)
+    return None
+  assert isinstance(cfg, M3Config)
+  return cfg
+
+
+@settings(max_examples=100, deadline=None)
+@given(raw=_JSON)
+def test_any_json_shape_parses_or_raises_config_error(raw):
+  _parses_or_config_error(raw)
+  _parses_or_config_error({"text_config": raw, "vision_config": raw})
+
+
+@settings(max_examples=100, deadline=None)
+@given(base=st.sampled_from([FLAT, LEGACY]), edits=st.lists(st.tuples(st.sampled_from(_TEXT_KEYS), _JSON),
+                                                            min_size=1, max_size=3),
+       vision=st.one_of(st.none(), _JSON), drop=st.lists(st.sampled_from(_TEXT_KEYS), max_size=2))
+def test_corrupted_configs_parse_or_raise_config_error(base, edits, vision, drop):
+  raw = json.loads(json.dumps(base))
+  for key, value in edits:
+    raw["text_config"][key] = value
+  for key in drop:
+    raw["text_config"].pop(key, None)
+  raw["vision_config"] = vision
+  cfg = _parses_or_config_error(raw)
+  if cfg is not None:  # what parses round-trips
+    assert M3Config.from_dict(cfg.to_dict()) == cfg

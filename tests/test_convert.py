@@ -5,10 +5,13 @@ import collections
 import gc
 import json
 import os
+import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 import m3jax
 from conftest import FIXTURES
 from m3jax import cli
-from m3jax.checkpoint import converted, orbax_io
+from m3jax.checkpoint import converted, fsutil, orbax_io
 from m3jax.checkpoint.convert import convert
 from m3jax.checkpoint.export import export
 from m3jax.checkpoint.inspect import COMPONENTS, inspect_checkpoint
@@ -349,3 +352,197 @@ def test_param_rules_cover_all_layouts():
     rules = text_rules(cfg.text, layout)
     assert len({r.path for r in rules}) == len(rules)
   assert jax.devices()
+
+
+# Reliability (#45): --force replaces only m3jax outputs, interrupted runs leave DST absent or complete and their
+# temporary directories are cleaned by the next run, and every error is one line.
+
+
+def test_force_replaces_only_m3jax_outputs_or_empty_directories(src, dst, tmp_path, capsys):
+  """#45: `convert SRC ~/models --force` deleted everything in ~/models."""
+  home = tmp_path / "models"
+  (home / "other-model").mkdir(parents=True)
+  (home / "other-model" / "weights.bin").write_text("precious")
+  for argv in (["convert", str(src), str(home), "--force"], ["export", str(dst), str(home), "--force"]):
+    assert cli.main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (f"m3jax {argv[0]}: error: {home} is not an m3jax output (no "
+                                     "m3jax_checkpoint.json or m3jax_export.json) and not empty") in err
+  assert (home / "other-model" / "weights.bin").read_text() == "precious"
+  (tmp_path / "empty").mkdir()
+  assert cli.main(["convert", str(src), str(tmp_path / "empty"), "--force", "--no-progress"]) == 0
+  assert converted.is_converted(tmp_path / "empty")
+  assert cli.main(["convert", str(src), str(tmp_path / "empty"), "--force", "--no-progress", "--drop-mtp"]) == 0
+  assert converted.read_marker(tmp_path / "empty")["extras"]["mtp"] == {}  # the m3jax output was replaced
+  out = tmp_path / "exported"
+  for _ in range(2):  # export writes a marker too, so a second export --force replaces the first
+    assert cli.main(["export", str(dst), str(out), "--force", "--no-progress"]) == 0
+  assert json.loads((out / "m3jax_export.json").read_text())["format"] == "m3jax-export"
+  assert fsutil.CONVERTED_MARKER == converted.MARKER
+  write_checkpoint(m3jax.M3ForCausalLM(m3jax.tiny(), rngs=nnx.Rngs(0)), tmp_path / "written")
+  assert fsutil.is_m3jax_output(str(tmp_path / "written"))
+  capsys.readouterr()
+  link = tmp_path / "link"
+  link.symlink_to(tmp_path / "exported")
+  assert cli.main(["export", str(dst), str(link), "--force", "--no-progress"]) == 2
+  assert "exists and is a symbolic link; refusing to replace it" in capsys.readouterr().err
+
+
+def _unwritable(tmp_path):
+  """A directory this process cannot create entries in: a read-only one, or (as root, whom permissions do not
+  stop) one in sysfs, which refuses new directories to everyone."""
+  ro = tmp_path / "read-only"
+  ro.mkdir()
+  ro.chmod(0o555)
+  return ro if not os.access(ro, os.W_OK) else pathlib.Path("/sys")
+
+
+def test_cli_errors_for_unwritable_outputs_bad_json_and_bad_options_are_one_line(src, dst, tmp_path, capsys):
+  """#45: tracebacks for a read-only DST / OUT and malformed config / index JSON; --piece-mb 0 was accepted."""
+  parent = _unwritable(tmp_path)
+  for argv in (["convert", str(src), str(parent / "dst")], ["export", str(dst), str(parent / "out")]):
+    assert cli.main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"m3jax {argv[0]}: error: {parent}/" in err and "cannot write in" in err, err
+  bad = tmp_path / "bad"
+  shutil.copytree(src, bad)
+  config = json.loads((bad / "config.json").read_text())
+  for name, text, message in (("config.json", "[1, 2]",
+                               "config.json: the config must be a JSON object, got a JSON array"),
+                              ("config.json", json.dumps({**config, "text_config": None}),
+                               "config key 'text_config': must be a JSON object, got null"),
+                              ("config.json", "{}", "config.json: the config lacks 'vocab_size'"),
+                              ("model.safetensors.index.json", "[]", "the index must be a JSON object")):
+    original = (bad / name).read_text()
+    (bad / name).write_text(text)
+    for argv in (["convert", str(bad), str(tmp_path / "o"), "--no-progress"], ["inspect", str(bad)],
+                 ["generate", str(bad), "--prompt-ids", "1,2"]):
+      assert cli.main(argv) == 2
+      err = capsys.readouterr().err
+      assert err.count("\n") == 1 and message in err and f"m3jax {argv[0]}: error: " in err, (argv, err)
+    (bad / name).write_text(original)
+  assert cli.main(["convert", str(src), str(tmp_path / "o"), "--piece-mb", "0"]) == 2
+  assert "--piece-mb must be >= 1 (MiB), got 0" in capsys.readouterr().err
+  assert cli.main(["export", str(dst), str(tmp_path / "o"), "--max-shard-mb", "0"]) == 2
+  assert "--max-shard-mb must be >= 1 (MiB), got 0" in capsys.readouterr().err
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("signum, at", [(signal.SIGINT, 1), (signal.SIGINT, 60), (signal.SIGTERM, 104)])
+def test_ctrl_c_and_sigterm_during_convert_clean_up_without_a_traceback(src, tmp_path, capsys, monkeypatch,
+                                                                        signum, at):
+  """#45: Ctrl-C during convert printed a traceback. The signal is sent to this process at the `at`-th tensor
+  read (of 105): the output is removed as for an error, and the error is one line."""
+  real, calls = TensorSource.get, []
+
+  def get(self, name, rows=None):
+    calls.append(name)
+    if len(calls) == at:
+      os.kill(os.getpid(), signum)
+    return real(self, name, rows)
+
+  monkeypatch.setattr(TensorSource, "get", get)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--no-progress"]) == 2
+  assert capsys.readouterr().err == f"m3jax convert: error: interrupted ({signal.Signals(signum).name})\n"
+  assert os.listdir(tmp_path) == []  # neither DST nor a temporary directory
+  assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the CLI's handler is gone again
+
+
+def test_interruptions_at_the_edges_of_the_output_directory(src, tmp_path, capsys, monkeypatch):
+  """Ctrl-C right after the temporary directory is created leaves nothing; Ctrl-C between moving the previous
+  output aside and renaming the new one into place puts the previous output back."""
+  real_makedirs, real_rename = os.makedirs, os.rename
+
+  def makedirs(path, *args, **kwargs):
+    real_makedirs(path, *args, **kwargs)
+    if ".m3jax-tmp-" in str(path):
+      os.kill(os.getpid(), signal.SIGINT)
+
+  monkeypatch.setattr(os, "makedirs", makedirs)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--no-progress"]) == 2
+  assert capsys.readouterr().err == "m3jax convert: error: interrupted (SIGINT)\n" and os.listdir(tmp_path) == []
+  monkeypatch.setattr(os, "makedirs", real_makedirs)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--no-progress"]) == 0
+
+  def rename(a, b):
+    real_rename(a, b)
+    if ".m3jax-old-" in str(b):
+      raise KeyboardInterrupt
+
+  monkeypatch.setattr(os, "rename", rename)
+  assert cli.main(["convert", str(src), str(tmp_path / "dst"), "--force", "--drop-mtp", "--no-progress"]) == 2
+  assert os.listdir(tmp_path) == ["dst"] and converted.read_marker(tmp_path / "dst")["extras"]["mtp"]  # the first
+
+
+_KILLER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from m3jax.checkpoint import fsutil
+from m3jax.checkpoint.source import TensorSource
+point, calls = {point!r}, []
+real_get, real_rename = TensorSource.get, os.rename
+def get(self, name, rows=None):
+  calls.append(name)
+  if point == len(calls):
+    os.kill(os.getpid(), signal.SIGKILL)
+  return real_get(self, name, rows)
+def rename(a, b):
+  real_rename(a, b)
+  if point == "replacing" and ".m3jax-old-" in str(b):  # the old DST moved aside, the new one not yet in place
+    os.kill(os.getpid(), signal.SIGKILL)
+TensorSource.get, fsutil.os.rename = get, rename
+from m3jax import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _convert_killed(src, dst, point, *extra):
+  proc = subprocess.run([sys.executable, "-c", _KILLER.format(repo=REPO, point=point), "convert", str(src), str(dst),
+                         "--no-progress", *extra], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == -signal.SIGKILL, proc.stderr
+  assert "Traceback" not in proc.stderr
+
+
+def test_a_killed_conversion_leaves_dst_absent_or_complete_and_a_rerun_cleans_up(src, dst, tmp_path, capsys):
+  """Fault injection (#45: interrupted runs left .DST.m3jax-tmp-PID-* directories that reruns neither removed nor
+  mentioned). SIGKILL mid-write leaves no DST; SIGKILL while --force replaces an old DST leaves the old one aside;
+  Ctrl-C from outside mid-conversion leaves nothing. The next run tidies (and says so), and its result loads."""
+  out = tmp_path / "out"
+  _convert_killed(src, out, 50)  # the 50th of 105 tensor reads
+  assert not out.exists()
+  (leftover,) = [p for p in os.listdir(tmp_path) if p.startswith(".out.m3jax-tmp-")]
+  assert cli.main(["convert", str(src), str(out), "--no-progress"]) == 0
+  err = capsys.readouterr().err
+  assert f"[m3jax] removed {tmp_path / leftover}: a temporary directory left by process " in err
+  assert "which is no longer running" in err and sorted(os.listdir(tmp_path)) == ["out"]
+  assert_same_states(out, dst)
+  # Killed between moving the old DST aside and renaming the new one into place: DST is absent; the next run
+  # puts the old (complete) DST back before looking at it.
+  _convert_killed(src, out, "replacing", "--force", "--drop-mtp")
+  assert not out.exists()
+  assert sorted(p.split(".m3jax-")[1][:3] for p in os.listdir(tmp_path)) == ["old", "tmp"]  # + the complete new
+  assert cli.main(["convert", str(src), str(out), "--no-progress"]) == 2
+  err = capsys.readouterr().err
+  assert f"[m3jax] restored {out} from " in err and "[m3jax] removed " in err and "already exists; pass --force" in err
+  assert sorted(os.listdir(tmp_path)) == ["out"] and converted.read_marker(out)["extras"]["mtp"]  # the old one
+  # Ctrl-C from outside once the conversion has started writing.
+  # `python -m m3jax.cli convert ...`, with Python's own SIGINT handler even where the test runner ignores SIGINT
+  # (a background job of a script), which the child would inherit.
+  run_cli = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'm3jax'; runpy.run_module('m3jax.cli', run_name='__main__')")
+  proc = subprocess.Popen([sys.executable, "-c", run_cli, "convert", str(src), str(tmp_path / "int"), "--no-progress"],
+                          cwd=REPO, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO})
+  deadline = time.monotonic() + 120
+  while not [p for p in os.listdir(tmp_path) if p.startswith(".int.m3jax-tmp-")] and proc.poll() is None:
+    assert time.monotonic() < deadline
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  if proc.returncode == 2:  # interrupted: nothing left
+    assert err == "m3jax convert: error: interrupted (SIGINT)\n", err
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+  else:  # it had finished first: a complete DST
+    assert proc.returncode == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["int", "out"] and converted.is_converted(tmp_path / "int")

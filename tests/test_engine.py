@@ -204,3 +204,105 @@ def test_logprobs_equal_scoring_the_completion_and_top_tokens_are_sorted(model, 
   assert any(not np.all(done[i].tokens == np.concatenate([t.ids for t in tops[i]])[:, 0]) for i in range(3))
   with pytest.raises(ValueError, match="needs logprobs=True"):
     Engine(model, slots=1, max_length=64, top_logprobs=2)
+
+
+# Faults stay local (#45): one request's failure ends that request alone, and the engine keeps serving.
+
+
+def _simulated_oom(real, min_width):
+  """_admit_jit that fails like an out-of-memory compile for prompt buckets of at least ``min_width``."""
+
+  def admit(graph, params, prompts, *args, **kwargs):
+    if prompts.shape[1] >= min_width:
+      raise RuntimeError(f"RESOURCE_EXHAUSTED: simulated out of memory for a [{prompts.shape[0]}, "
+                         f"{prompts.shape[1]}] prefill")
+    return real(graph, params, prompts, *args, **kwargs)
+
+  return admit
+
+
+def test_a_failed_prefill_fails_its_request_alone(model, ids, monkeypatch):
+  import m3jax.engine as engine_module  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(engine_module, "_admit_jit", _simulated_oom(engine_module._admit_jit, 128))
+  engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=3)
+  engine.submit(ids[0, :100].tolist(), max_new_tokens=4, request_id="long")  # bucket 128: its prefill fails
+  engine.submit(ids[1, :50].tolist(), max_new_tokens=5, request_id="short")  # admitted with it, retried alone
+  done = {c.request_id: c for c in engine.run()}
+  assert done["long"].finish_reason == "error" and "RESOURCE_EXHAUSTED: simulated" in done["long"].error
+  assert done["long"].tokens.size == 0
+  assert done["short"].finish_reason == "length" and done["short"].error is None
+  assert done["short"].tokens.tolist() == _alone(model, ids[1, :50].tolist(), 5, ())
+  assert engine.broken is None
+  engine.submit(ids[0, :40].tolist(), max_new_tokens=4, request_id="later")  # the engine goes on serving
+  assert [c.tokens.tolist() for c in engine.run()] == [_alone(model, ids[0, :40].tolist(), 4, ())]
+
+
+def test_a_parameter_that_does_not_fit_int32_fails_its_request_alone(model, ids):
+  """The #45 failure (top_k 2**31 reaching the engine's int32 arrays broke every later call), here with the
+  engine's own check bypassed: that request fails, its slot is freed, the other request runs."""
+  engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=3)
+  engine.submit(ids[0, :50].tolist(), max_new_tokens=4, request_id="bad", temperature=1.0, top_k=5)
+  engine.submit(ids[1, :50].tolist(), max_new_tokens=5, request_id="good")
+  object.__setattr__(engine._waiting[0][3], "top_k", 2**31)  # pylint: disable=protected-access
+  done = {c.request_id: c for c in engine.run()}
+  assert done["bad"].finish_reason == "error" and "2147483648 out of bounds for int32" in done["bad"].error
+  assert done["good"].tokens.tolist() == _alone(model, ids[1, :50].tolist(), 5, ())
+  assert all(s is None for s in engine._slots)  # pylint: disable=protected-access
+
+
+def test_a_failed_decode_call_fails_its_requests_and_lost_state_is_rebuilt(model, ids, monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  import m3jax.engine as engine_module  # pylint: disable=g-import-not-at-top
+  from m3jax.engine import EngineBroken  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import Decoder  # pylint: disable=g-import-not-at-top
+
+  real, calls = engine_module._steps_jit, []
+
+  def steps(graph, params, decode_weights, logits, caches, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:  # a device fault after the call consumed (donated) the batch state
+      for x in jax.tree.leaves((logits, caches)):
+        x.delete()
+      raise RuntimeError("INTERNAL: simulated device fault")
+    return real(graph, params, decode_weights, logits, caches, *args, **kwargs)
+
+  monkeypatch.setattr(engine_module, "_steps_jit", steps)
+  engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=3)
+  prompts = {"a": ids[0, :50], "b": ids[1, :30], "c": ids[0, :40]}
+  for name, p in prompts.items():  # "c" waits for a slot
+    engine.submit(p.tolist(), max_new_tokens=4, request_id=name)
+  done = {c.request_id: c for c in engine.run()}
+  for name in ("a", "b"):  # decoded by the failed call
+    assert done[name].finish_reason == "error" and "simulated device fault" in done[name].error
+  assert done["c"].tokens.tolist() == _alone(model, prompts["c"].tolist(), 4, ())  # after the rebuild
+  assert engine.broken is None
+  # When the state cannot be rebuilt either, the engine says it is broken instead of failing each request.
+  calls.clear()
+  monkeypatch.setattr(Decoder, "init_caches", lambda self, *a: (_ for _ in ()).throw(MemoryError("no memory")))
+  engine.submit(prompts["a"].tolist(), max_new_tokens=6, request_id="d")
+  with pytest.raises(EngineBroken, match="could not be rebuilt .*MemoryError: no memory"):
+    list(engine.run())
+  assert "simulated device fault" in engine.broken
+  with pytest.raises(EngineBroken):
+    engine.submit([1], max_new_tokens=1) or list(engine.stream())
+
+
+def test_api_errors_are_clear(model, ids):
+  """#45: model(zeros((0, 4))), generate(model, [1, 2, 3]) and max_new_tokens=2.5 gave cryptic errors."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import generate_stream  # pylint: disable=g-import-not-at-top
+
+  with pytest.raises(ValueError, match=r"input_ids has shape \(0, 4\); it needs at least one sequence"):
+    model(jnp.zeros((0, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"got a flat list of ids \[1, 2, 3\]; for one prompt write \[\[...\]\]"):
+    generate(model, [1, 2, 3], max_new_tokens=2)
+  for fn in (generate, lambda *a, **k: next(generate_stream(*a, **k))):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer, got 2\.5 \(float\)"):
+      fn(model, [[1, 2, 3]], max_new_tokens=2.5)
+  engine = Engine(model, slots=1, max_length=64)
+  for kwargs, message in (({"max_new_tokens": 2.5}, r"max_new_tokens must be an integer, got 2\.5"),
+                          ({"max_new_tokens": 2, "top_k": 2**31}, r"top_k must be an integer >= 0 and <= 2147483647"),
+                          ({"max_new_tokens": 2, "seed": 2**31}, r"seed must be an integer in \[0, 2\*\*31\)"),
+                          ({"max_new_tokens": 2, "temperature": 1e39}, "temperature must be a finite float32")):
+    with pytest.raises(ValueError, match=message):
+      engine.submit([1, 2], request_id="r", **kwargs)

@@ -215,7 +215,10 @@ def test_multimodal_generation_follows_the_full_multimodal_forward():
   # Teacher-forced check: the multimodal forward over prompt + generated tokens predicts each generated token.
   full = np.asarray(model(np.concatenate([prompt, out.tokens[:, :-1]], axis=1), **pixels))
   np.testing.assert_array_equal(full[0, prompt.shape[1] - 1:].argmax(-1), out.tokens[0])
-  text_only = generate(model, prompt, max_new_tokens=6, eos_token_ids=())
+  with pytest.raises(ValueError, match=r"placeholder tokens \[250, 251\] but no image or video was given"):
+    generate(model, prompt, max_new_tokens=6, eos_token_ids=())  # placeholders without their pixels (#45)
+  as_text = model.embed_tokens(jnp.asarray(prompt))  # the placeholders' own token embeddings, explicitly
+  text_only = generate(model, prompt, max_new_tokens=6, eos_token_ids=(), prompt_embeds=as_text)
   assert not np.array_equal(text_only.tokens, out.tokens)  # the images really reach the prefill
   # A chunked prefill (194 tokens -> bucket 256, 4 chunks of 64) cuts the embeddings with the ids.
   chunked = generate(model, prompt, max_new_tokens=6, eos_token_ids=(), prompt_embeds=embeds, prefill_chunk=64)

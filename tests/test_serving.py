@@ -18,9 +18,18 @@ from m3jax.serving import Server, serve
 from m3jax.tokenizer import load_tokenizer, render_messages
 
 
+# HF chat templates refuse conversations they cannot render with raise_exception(...).
+_REFUSING = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+             "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{% endfor %}")
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
   ckpt = build_demo_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+  config = json.loads(open(f"{ckpt}/tokenizer_config.json").read())
+  config["chat_template"] = _REFUSING + config["chat_template"]
+  with open(f"{ckpt}/tokenizer_config.json", "w") as f:
+    json.dump(config, f)
   model = m3jax.load(ckpt, kernels="reference", text_only=True)
   engine = Engine(model, slots=2, max_length=256, steps_per_call=3, logprobs=True, top_logprobs=3)
   server = Server(engine, ckpt, model_name="tiny-m3")
@@ -28,7 +37,7 @@ def served(tmp_path_factory):
   thread = threading.Thread(target=httpd.serve_forever, daemon=True)
   thread.start()
   yield {"url": f"http://127.0.0.1:{httpd.server_address[1]}", "model": model, "ckpt": ckpt,
-         "tok": load_tokenizer(ckpt), "engine": engine}
+         "tok": load_tokenizer(ckpt), "engine": engine, "server": server}
   httpd.shutdown()
   httpd.server_close()
   server.close()
@@ -122,7 +131,7 @@ def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, messa
 
 @pytest.mark.quick
 def test_greedy_defaults_are_accepted_and_unknown_routes_are_404(served):
-  r = _post(served["url"] + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
+  r = _post(served["url"] + "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2, "temperature": 0,
                                                  "top_p": 1.0})
   assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
   with pytest.raises(urllib.error.HTTPError) as e:
@@ -195,7 +204,7 @@ def test_a_streaming_client_that_hangs_up_frees_its_slot(served):
   _wait_until_idle(served)
   calls = served["engine"].decode_calls
   host, port = served["url"].removeprefix("http://").split(":")
-  body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 240, "stream": True}).encode()
+  body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 240, "stream": True}).encode()
   with socket.create_connection((host, int(port)), timeout=300) as sock:
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -242,3 +251,173 @@ def test_logprobs_list_the_shown_tokens_whole_streamed_and_in_chat(served):
              for e in content)
   none = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})["choices"][0]
   assert none["logprobs"] is None
+
+
+# Reliability (#45): no request breaks the server, a client that leaves frees its slot, bodies are sized first.
+
+
+def _raw(served, data: bytes, *, wait_s: float = 60) -> bytes:
+  """Sends raw bytes and reads until the server closes the connection (or ``wait_s`` passes)."""
+  import socket  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  host, port = served["url"].removeprefix("http://").split(":")
+  received = b""
+  with socket.create_connection((host, int(port)), timeout=wait_s) as sock:
+    sock.sendall(data)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+      try:
+        chunk = sock.recv(65536)
+      except socket.timeout:
+        break
+      if not chunk:
+        break
+      received += chunk
+  return received
+
+
+def _health(url):
+  try:
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+      return r.status, json.loads(r.read())
+  except urllib.error.HTTPError as e:
+    return e.code, json.loads(e.read())
+
+
+def test_a_top_k_beyond_int32_is_a_400_and_the_server_goes_on(served):
+  """#45: this request got a 500 and so did every later one, while /health said ok."""
+  body = {"prompt": "Hello", "max_tokens": 4, "temperature": 1, "top_k": 2147483648}
+  with pytest.raises(urllib.error.HTTPError) as e:
+    _post(served["url"] + "/v1/completions", body)
+  assert e.value.code == 400
+  assert "top_k must be an integer in [-1, 2147483647]" in json.loads(e.value.read())["error"]["message"]
+  ok = _post(served["url"] + "/v1/completions", dict(body, top_k=2147483647, seed=1))
+  assert ok["usage"]["completion_tokens"] == 4
+  assert _health(served["url"]) == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("head, status, message", [
+    (b"Content-Length: -1\r\n", 400, b"Content-Length must be a non-negative integer, got '-1'"),
+    (b"Transfer-Encoding: chunked\r\n", 411, b"chunked bodies are not accepted"),
+    (b"Content-Length: 10485760\r\n", 413, b"the body is 10485760 bytes; this server accepts at most"),
+])
+def test_bodies_are_sized_before_they_are_read_and_answered_once(served, head, status, message):
+  """#45: Content-Length -1 hung, a chunked body was answered twice, a 10 MB body was tokenized before any check."""
+  chunk = b'{"prompt": "Hello", "max_tokens": 2}'
+  body = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n0\r\n\r\n"
+  reply = _raw(served, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head
+               + b"\r\n" + body)
+  assert reply.startswith(f"HTTP/1.1 {status} ".encode()) and message in reply
+  assert reply.count(b"HTTP/1.1 ") == 1  # one answer, and the connection closed after it
+  assert _health(served["url"])[0] == 200
+
+
+def test_a_client_that_hangs_up_without_streaming_frees_its_slot(served):
+  """#45: a non-streaming client that disconnected kept its slot until max_tokens."""
+  import socket  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  _wait_until_idle(served)
+  engine = served["engine"]
+  calls = engine.decode_calls
+  host, port = served["url"].removeprefix("http://").split(":")
+  body = json.dumps({"prompt": [7, 8, 9], "max_tokens": 240}).encode()
+  with socket.create_connection((host, int(port)), timeout=300) as sock:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.monotonic() + 120
+    while engine.decode_calls < calls + 2:  # it is being decoded
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+  _wait_until_idle(served)
+  assert served["engine"].decode_calls - calls < 20  # 240 tokens at 3 per call would take 80 calls
+
+
+def test_template_refusals_and_placeholders_are_400s(served):
+  """#45: a chat template calling raise_exception dropped the connection."""
+  with pytest.raises(urllib.error.HTTPError) as e:
+    _post(served["url"] + "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]})
+  assert e.value.code == 400
+  assert "the chat template refused the messages: unknown role tool" in json.loads(e.value.read())["error"]["message"]
+  with pytest.raises(urllib.error.HTTPError) as e:  # ids 5 / 6 are the demo's image / video placeholders
+    _post(served["url"] + "/v1/completions", {"prompt": [7, 5, 8], "max_tokens": 2})
+  assert e.value.code == 400 and "placeholder tokens [5]" in json.loads(e.value.read())["error"]["message"]
+
+
+def test_a_request_whose_serving_fails_gets_a_500_alone(served, monkeypatch):
+  """A prefill that runs out of memory (simulated for prompt buckets of 128+) fails its own request, whole or
+  streamed; the request beside it gets its greedy text and the server stays healthy."""
+  import m3jax.engine as engine_module  # pylint: disable=g-import-not-at-top
+  real = engine_module._admit_jit
+
+  def admit(graph, params, prompts, *args, **kwargs):
+    if prompts.shape[1] >= 128:
+      raise RuntimeError("RESOURCE_EXHAUSTED: simulated out of memory")
+    return real(graph, params, prompts, *args, **kwargs)
+
+  monkeypatch.setattr(engine_module, "_admit_jit", admit)
+  _wait_until_idle(served)
+  long = {"prompt": list(range(10, 140)), "max_tokens": 3}
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    failing = pool.submit(_post, served["url"] + "/v1/completions", long)
+    fine = pool.submit(_post, served["url"] + "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    with pytest.raises(urllib.error.HTTPError) as e:
+      failing.result()
+    reply = fine.result()
+  assert e.value.code == 500
+  assert "generation failed: RuntimeError: RESOURCE_EXHAUSTED: simulated" in json.loads(e.value.read())["error"]["message"]
+  ids = served["tok"].encode("Hello", add_special_tokens=False).ids
+  assert reply["choices"][0]["text"] == _greedy(served, ids, 3)[0]
+  raw = _post(served["url"] + "/v1/completions", {**long, "stream": True}, raw=True)
+  events = [e[len("data: "):] for e in raw.split("\n\n") if e.startswith("data: ")]
+  assert events[-1] == "[DONE]" and "RESOURCE_EXHAUSTED" in json.loads(events[0])["error"]["message"]
+  assert _health(served["url"]) == (200, {"status": "ok"})
+  _wait_until_idle(served)
+
+
+def test_health_reports_an_engine_that_cannot_serve(served, monkeypatch):
+  import jax  # pylint: disable=g-import-not-at-top
+  import m3jax.engine as engine_module  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import Decoder  # pylint: disable=g-import-not-at-top
+
+  def steps(graph, params, decode_weights, logits, caches, *args, **kwargs):
+    for x in jax.tree.leaves((logits, caches)):
+      x.delete()
+    raise RuntimeError("INTERNAL: simulated device fault")
+
+  # A server of its own (the module's stays healthy), with the shapes of the module's engine (no new compile).
+  engine = Engine(served["model"], slots=2, max_length=256, steps_per_call=3, logprobs=True, top_logprobs=3)
+  server = Server(engine, served["ckpt"])
+  httpd = serve(server, port=0)
+  threading.Thread(target=httpd.serve_forever, daemon=True).start()
+  url = f"http://127.0.0.1:{httpd.server_address[1]}"
+  try:
+    assert _health(url) == (200, {"status": "ok"})
+    monkeypatch.setattr(engine_module, "_steps_jit", steps)
+    monkeypatch.setattr(Decoder, "init_caches", lambda self, *a: (_ for _ in ()).throw(MemoryError("no memory")))
+    with pytest.raises(urllib.error.HTTPError) as e:
+      _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert e.value.code == 500 and "simulated device fault" in json.loads(e.value.read())["error"]["message"]
+    status, health = _health(url)
+    assert status == 503 and health["status"] == "error" and "could not be rebuilt" in health["message"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+      _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert e.value.code == 503 and "the server cannot serve" in json.loads(e.value.read())["error"]["message"]
+  finally:
+    httpd.shutdown()
+    httpd.server_close()
+    server.close()
+
+
+def test_serve_checks_its_port_before_loading_the_model(served, monkeypatch, capsys):
+  """#45: a port in use gave a traceback, after the model had loaded."""
+  import socket  # pylint: disable=g-import-not-at-top
+  from m3jax import cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(m3jax, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+  with socket.socket() as busy:
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    assert cli.main(["serve", served["ckpt"], "--port", str(port)]) == 2
+  err = capsys.readouterr().err
+  assert err == (f"m3jax serve: error: cannot listen on 127.0.0.1:{port}: Address already in use (another server "
+                 "there? pick another --port)\n")

@@ -177,13 +177,15 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, dtype: str | None
     raise ValueError("pass --quantize (quantize a float checkpoint) or --keep-quantized (keep a quantized "
                      "checkpoint's own format), not both")
   cfg = M3Config.from_file(src)
+  skip_vision = text_only and cfg.vision is not None
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(src)
   if quantize is not None and source.quant is not None:
     raise CheckpointError(f"{src}: --quantize {quantize}: the checkpoint is already quantized (quant_method "
                           f"{source.quant.method!r}); use --keep-quantized to keep its own format")
-  layout_, rules = plan_text_load(cfg, source, None if layout == "auto" else layout)  # type: ignore[arg-type]
+  layout_, rules = plan_text_load(cfg, source, None if layout == "auto" else layout,  # type: ignore[arg-type]
+                                  skip_vision=skip_vision)
   target = default_run_dtype(source, layout_) if dtype in (None, "auto") else jnp.dtype(DTYPES[str(dtype)])
   if quantize is not None:
     specs, reader = fp8_params.quantize_specs(rules, quantize), fp8_params.QuantizingReader(source)

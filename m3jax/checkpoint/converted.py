@@ -53,8 +53,10 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any]:
   try:
     with open(os.path.join(path, MARKER)) as f:
       marker = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, ValueError) as e:
     raise CheckpointError(f"{path}/{MARKER}: unreadable ({e})") from None
+  if not isinstance(marker, dict):
+    raise CheckpointError(f"{path}/{MARKER}: unreadable (a JSON {type(marker).__name__}, not an object)")
   if marker.get("format") != FORMAT or marker.get("version") != VERSION:
     raise CheckpointError(f"{path}/{MARKER}: format {marker.get('format')!r} version {marker.get('version')!r}; "
                           f"this m3jax reads {FORMAT!r} version {VERSION}")

@@ -181,6 +181,7 @@ def export(src: str | os.PathLike, out: str | os.PathLike, *, force: bool = Fals
       with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
       fsutil.copy_aux_files(src, tmp)
+      fsutil.write_export_marker(tmp, source=os.path.abspath(src))  # lets a later --force replace it
   finally:
     bar.close()
   return ExportSummary(src=src, out=out, tensors=len(entries), shards=n_shards, bytes_written=total,

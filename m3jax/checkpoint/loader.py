@@ -60,13 +60,14 @@ def build_rules(cfg: M3Config, layout: Layout, with_mtp: bool = False) -> list[T
   return rules
 
 
-def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None, with_mtp: bool = False
-                   ) -> tuple[Layout, list[TensorRule]]:
+def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None, with_mtp: bool = False,
+                   skip_vision: bool = False) -> tuple[Layout, list[TensorRule]]:
   """Matches the checkpoint's tensors against the config; raises CheckpointError naming the first problem.
 
   Checks: every expected tensor present with the expected shape (and, for a TensorSource, a float dtype and the
-  quantization its config announces), and no tensor left unexplained (vision and ``mtp.*`` tensors are skipped,
-  not errors, unless ``with_mtp`` asks for the MTP modules). ``layout`` overrides auto-detection.
+  quantization its config announces), and no tensor left unexplained (``mtp.*`` tensors are skipped, not errors,
+  unless ``with_mtp`` asks for the MTP modules; vision tower / projector tensors only with ``skip_vision``, a
+  text-only load of a checkpoint whose config has a vision_config). ``layout`` overrides auto-detection.
   """
   if layout is None:
     try:
@@ -89,7 +90,7 @@ def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None
   if isinstance(ckpt, TensorSource):
     ckpt.check(sorted(used))
   for name in ckpt.keys():
-    if name in used or is_unused(cfg, name, layout):
+    if name in used or is_unused(cfg, name, layout, skip_vision):
       continue
     if name.endswith(QUANT_SUFFIXES):
       raise CheckpointError(f"{ckpt.path}/{ckpt.file_of(name)}: {name!r} is a quantization scale but config.json "
@@ -99,9 +100,12 @@ def plan_text_load(cfg: M3Config, ckpt: Checkpoint, layout: Layout | None = None
   return layout, rules
 
 
-def is_unused(cfg: M3Config, name: str, layout: Layout) -> bool:
-  """Tensors the model does not load: vision tower / projector, ``mtp.*``, and a tied LM head."""
-  return is_skipped(name, layout) or (cfg.text.tie_word_embeddings and name == prefixes(layout)[1])
+def is_unused(cfg: M3Config, name: str, layout: Layout, skip_vision: bool = False) -> bool:
+  """Tensors the model does not load: ``mtp.*``, a tied LM head, and with ``skip_vision`` the vision tower /
+  projector (otherwise one the vision rules did not use is unexpected)."""
+  if cfg.text.tie_word_embeddings and name == prefixes(layout)[1]:
+    return True
+  return is_skipped(name, layout) and (skip_vision or name.startswith("mtp.") or ".mtp." in name)
 
 
 def checkpoint_dtype(ckpt: Checkpoint, layout: Layout) -> jnp.dtype:
@@ -200,10 +204,11 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     raise CheckpointError(f"{path}: has an Orbax '{converted.STATE}' directory but no {converted.MARKER}: an "
                           "incomplete conversion; run `m3jax convert` again")
   cfg = M3Config.from_file(path)
+  skip_vision = text_only and cfg.vision is not None
   if text_only:
     cfg = dataclasses.replace(cfg, vision=None)
   source = TensorSource.open(path)
-  layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp)
+  layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp, skip_vision=skip_vision)
   dtype = default_run_dtype(source, layout) if dtype is None else dtype
   specs = fp8_params.kept_specs(rules, source) if keep_quantized else {}
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp, quantized=specs)

@@ -17,6 +17,27 @@ class CheckpointError(ValueError):
   """A checkpoint that cannot be read as an M3 model (names the file and tensor)."""
 
 
+def read_weight_map(index_path: str) -> dict[str, str]:
+  """An index file's weight_map (tensor name -> file name in the same directory), checked: CheckpointError naming
+  the index for malformed JSON, a missing or malformed weight_map, or a file name that leaves the directory."""
+  try:
+    with open(index_path, "rb") as f:
+      index = json.loads(f.read())
+  except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or UTF-8
+    raise CheckpointError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
+  if not isinstance(index, dict):
+    raise CheckpointError(f"{index_path}: the index must be a JSON object, got a JSON {type(index).__name__}")
+  weight_map = index.get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise CheckpointError(f"{index_path}: no 'weight_map' object")
+  for name, fname in weight_map.items():
+    if (not isinstance(fname, str) or not fname or fname in (".", "..") or "/" in fname or "\\" in fname
+        or "\0" in fname):
+      raise CheckpointError(f"{index_path}: tensor {name!r} maps to {fname!r:.60}, not a file name in the "
+                            "checkpoint directory")
+  return weight_map
+
+
 class SafetensorsDir:
   """Tensor name -> (file, shape, dtype) for every tensor of a checkpoint directory; lazy reads.
 
@@ -38,12 +59,9 @@ class SafetensorsDir:
     index_path = os.path.join(self.path, INDEX_NAME)
     self._file_of: dict[str, str] = {}
     if os.path.exists(index_path):
-      with open(index_path) as f:
-        weight_map = json.load(f).get("weight_map")
-      if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index_path}: no 'weight_map'")
+      weight_map = read_weight_map(index_path)
       for name, fname in weight_map.items():
-        if not os.path.exists(os.path.join(self.path, fname)):
+        if not os.path.isfile(os.path.join(self.path, fname)):
           raise CheckpointError(f"{index_path}: tensor {name!r} points to missing file {fname!r}")
       files = sorted(set(weight_map.values()))
     self._meta: dict[str, tuple[tuple[int, ...], str]] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import struct
 from collections.abc import Sequence
@@ -46,9 +47,33 @@ def _read_header(path: str, mtime_ns: int, size: int) -> tuple[int, dict]:
       if n > 100 * 2**20:
         raise ValueError(f"header length {n} is implausible")
       header = json.loads(f.read(n))
-  except (OSError, ValueError, struct.error) as e:
+  except (OSError, ValueError, struct.error, RecursionError) as e:
     raise CheckpointError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{path}: unreadable safetensors header (a JSON {type(header).__name__}, not an object)")
   return 8 + n, header
+
+
+def _entry(path: str, header: dict, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+  """A tensor's header entry, checked -> (numpy dtype, shape, begin, end); CheckpointError naming what is wrong."""
+  entry = header.get(name)
+  if entry is None or name == "__metadata__":
+    raise CheckpointError(f"{path}: no tensor {name!r}")
+  if not isinstance(entry, dict):
+    raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {entry!r:.60}")
+  st_dtype = entry.get("dtype")
+  dtype = NUMPY_DTYPES.get(st_dtype) if isinstance(st_dtype, str) else None
+  if dtype is None:
+    raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {st_dtype!r:.40}")
+  shape, offsets = entry.get("shape"), entry.get("data_offsets")
+  if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                            for n in shape):
+    raise CheckpointError(f"{path}: tensor {name!r} has a malformed shape {shape!r:.60}")
+  if (not isinstance(offsets, list) or len(offsets) != 2
+      or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in offsets)
+      or offsets[0] > offsets[1]):
+    raise CheckpointError(f"{path}: tensor {name!r} has malformed data_offsets {offsets!r:.60}")
+  return dtype, tuple(shape), offsets[0], offsets[1]
 
 
 def read_tensor(path: str, name: str, rows: slice | None = None) -> np.ndarray:
@@ -57,14 +82,8 @@ def read_tensor(path: str, name: str, rows: slice | None = None) -> np.ndarray:
   Raises CheckpointError naming the file and tensor for a missing tensor, an unknown dtype or a truncated file.
   """
   start, header = read_header(path)
-  entry = header.get(name)
-  if entry is None:
-    raise CheckpointError(f"{path}: no tensor {name!r}")
-  dtype = NUMPY_DTYPES.get(entry["dtype"])
-  if dtype is None:
-    raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-  shape = tuple(entry["shape"])
-  begin, end = entry["data_offsets"]
+  dtype, shape, begin, end = _entry(path, header, name)
+  st_dtype = header[name]["dtype"]
   if rows is not None:
     if not shape:
       raise CheckpointError(f"{path}: cannot take rows of scalar tensor {name!r}")
@@ -74,10 +93,10 @@ def read_tensor(path: str, name: str, rows: slice | None = None) -> np.ndarray:
     row_bytes = (end - begin) // shape[0] if shape[0] else 0
     begin, end = begin + lo * row_bytes, begin + hi * row_bytes
     shape = (max(hi - lo, 0),) + shape[1:]
-  count = int(np.prod(shape, dtype=np.int64))
+  count = math.prod(shape)  # Python ints: a damaged header's huge shape must not wrap around
   if (end - begin) != count * dtype.itemsize:
     raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} data bytes for shape {list(shape)} "
-                          f"{entry['dtype']}")
+                          f"{st_dtype}")
   size = os.path.getsize(path)
   if start + end > size:
     raise CheckpointError(f"{path}: file is truncated ({size} bytes) inside tensor {name!r} "

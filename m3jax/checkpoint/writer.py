@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
+from m3jax.checkpoint.fsutil import write_export_marker
 from m3jax.checkpoint.loader import build_rules
 from m3jax.checkpoint.mapping import Layout
 from m3jax.checkpoint.safetensors_dir import INDEX_NAME
@@ -61,4 +62,5 @@ def write_checkpoint(model: M3ForCausalLM, out_dir: str | os.PathLike, *, layout
     if getattr(model, "vision", None) is None and config.vision is not None:
       config = dataclasses.replace(config, vision=None)  # no vision tensors written: no vision_config either
     json.dump(config.to_dict(), f, indent=2)
+  write_export_marker(out_dir, writer="m3jax.checkpoint.writer.write_checkpoint")
   return files

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from m3jax.commands import CommandFailed, options
 from m3jax.parallel import cli as parallel_cli
 from m3jax.token_ids import is_token_id
 
@@ -39,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--logprobs", action="store_true",
                  help='also write "completion_logprobs": each completion token\'s log-probability (raw logits)')
   p.add_argument("--chat", action="store_true", help="wrap text prompts in the checkpoint's chat template")
+  options.add_eos_argument(p)
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   parallel_cli.add_mesh_arguments(p)
@@ -74,14 +76,25 @@ def read_requests(path: str) -> list[dict[str, Any]]:
   return requests
 
 
+def _updates(engine):
+  """engine.stream(), with an engine that stopped serving reported as a CommandFailed."""
+  from m3jax.engine import EngineBroken  # pylint: disable=g-import-not-at-top
+
+  try:
+    yield from engine.stream()
+  except EngineBroken as e:
+    raise CommandFailed(f"the engine stopped: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
+  from m3jax.config import M3Config  # pylint: disable=g-import-not-at-top
   from m3jax.reply import Reply  # pylint: disable=g-import-not-at-top
+  from m3jax.token_ids import check_no_placeholders  # pylint: disable=g-import-not-at-top
 
-  if args.batch_size < 1:
-    raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+  options.check_sampling_args(args)
   parallel_cli.init_distributed(args)
   requests = read_requests(args.input)
   needs_text = any("prompt" in r for r in requests)
@@ -97,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     raise ValueError(f'{args.input}: "stop" strings need the checkpoint\'s tokenizer.json')
   model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
   vocab = model.config.text.vocab_size
+  placeholders = M3Config.from_file(args.checkpoint).placeholder_ids  # the text backbone takes no images
   prompts = []
   for r in requests:
     if "prompt" in r:
@@ -108,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     if bad or not ids:
       raise ValueError(f"{args.input}:{r['line']}: " + (f"token ids outside [0, {vocab}): {bad[:5]}" if bad
                                                          else "the prompt has no tokens"))
+    check_no_placeholders(ids, placeholders, f"{args.input}:{r['line']}: the prompt ids")
     prompts.append(ids)
-  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
+  eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, vocab)
   # Continuous batching: --batch-size slots decode together, each refilled as soon as its request stops.
   engine = Engine(model, slots=args.batch_size, max_length=max(len(p) for p in prompts) + args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -120,11 +135,17 @@ def run(args: argparse.Namespace) -> int:
     engine.submit(ids, max_new_tokens=args.max_new_tokens, request_id=i)
   results: dict[int, dict[str, Any]] = {}
   start = time.perf_counter()
-  for update in engine.stream():
+  failed: dict[int, str] = {}
+  for update in _updates(engine):
     i = update.request_id
     reply = replies[i]
     if reply.finish_reason is not None:
       continue  # a request its stop string ended: this is the engine confirming the cancel
+    if update.completion is not None and update.completion.finish_reason == "error":
+      failed[i] = update.completion.error or "unknown error"  # this prompt alone; the others go on
+      results[i] = {"id": requests[i].get("id"), "index": i, "prompt_tokens": len(prompts[i]),
+                    "finish_reason": "error", "error": failed[i]}
+      continue
     reply.add(update)
     if reply.cancel:
       engine.cancel(i)
@@ -145,4 +166,8 @@ def run(args: argparse.Namespace) -> int:
       f.write(json.dumps(results[i], ensure_ascii=False) + "\n")
   print(f"[m3jax] {len(prompts)} prompts, {generated} tokens generated in {seconds:.2f}s "
         f"({generated / seconds:.1f} tok/s, compilation included); wrote {args.output}", file=sys.stderr)
+  if failed:
+    first = min(failed)
+    raise CommandFailed(f"{len(failed)} of {len(prompts)} prompts failed (their lines in {args.output} say why; "
+                       f"the first, {args.input}:{requests[first]['line']}: {failed[first]})")
   return 0

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from m3jax.commands import options
 from m3jax.commands.generate import _multimodal_prompt, _TokenPrinter
 from m3jax.parallel import cli as parallel_cli
 
@@ -28,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
+  options.add_eos_argument(p)
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   p.add_argument("--steps-per-call", type=int, default=4, help="decode steps per device call (default 4)")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
@@ -41,12 +43,13 @@ def run(args: argparse.Namespace) -> int:
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.conversation import Conversation  # pylint: disable=g-import-not-at-top
 
+  options.check_sampling_args(args)
   tokenizer = tok_lib.load_tokenizer(args.checkpoint)
   tok_lib.render_messages(args.checkpoint, [{"role": "user", "content": ""}])  # fails early without a template
   model = m3jax.load(args.checkpoint, kernels=args.kernels, **parallel_cli.load_kwargs(args))
   limit = model.config.text.max_position_embeddings
   max_length = args.max_length if args.max_length is not None else min(8192, limit)
-  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
+  eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, model.config.text.vocab_size)
   conv = Conversation(model, max_length=max_length, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, seed=args.seed, eos_token_ids=eos, steps_per_call=args.steps_per_call,
                       prefill_chunk=args.prefill_chunk)
@@ -81,18 +84,25 @@ def run(args: argparse.Namespace) -> int:
         pending.append(path)
         print(f"[m3jax] {path} attached to the next turn", file=sys.stderr)
       continue
+    turn_images = images + pending
     if pending:
       from m3jax.vision import IMAGE_MARKER  # pylint: disable=g-import-not-at-top
       user = IMAGE_MARKER * len(pending) + user
-      images, pending = images + pending, []
     messages.append({"role": "user", "content": user})
-    ids, embeds = _prompt(model, tokenizer, tok_lib.render_messages(args.checkpoint, messages), images)
+    try:  # a turn the model cannot take (too long, a template refusal, ...) is dropped; the chat goes on
+      ids, embeds = _prompt(model, tokenizer, tok_lib.render_messages(args.checkpoint, messages), turn_images)
+      tokens_of_turn = conv.reply(ids, max_new_tokens=args.max_new_tokens, prompt_embeds=embeds)
+    except ValueError as e:
+      messages.pop()
+      print(f"[m3jax] error: {e}; turn dropped", file=sys.stderr)
+      continue
+    images, pending = turn_images, []
     turn += 1
     start = time.perf_counter()
     first_at = None
     printer = _TokenPrinter(tokenizer)
     try:
-      for tokens in conv.reply(ids, max_new_tokens=args.max_new_tokens, prompt_embeds=embeds):
+      for tokens in tokens_of_turn:
         first_at = first_at or time.perf_counter()
         printer.write([int(t) for t in tokens if int(t) not in eos])
     except KeyboardInterrupt:  # Ctrl-C stops the reply, not the chat; the reply so far stays in the conversation

@@ -36,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
   from m3jax.checkpoint.convert import convert  # pylint: disable=g-import-not-at-top
 
+  if args.piece_mb < 1:
+    raise ValueError(f"--piece-mb must be >= 1 (MiB), got {args.piece_mb}")
   summary = convert(args.src, args.dst, dtype=args.dtype, layout=args.layout, force=args.force,
                     keep_mtp=not args.drop_mtp, text_only=args.text_only, max_piece_bytes=args.piece_mb << 20,
                     progress=not args.no_progress, keep_quantized=args.keep_quantized, quantize=args.quantize)

@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
   from m3jax.checkpoint.export import export  # pylint: disable=g-import-not-at-top
 
+  for option, value in (("--piece-mb", args.piece_mb), ("--max-shard-mb", args.max_shard_mb)):
+    if value < 1:
+      raise ValueError(f"{option} must be >= 1 (MiB), got {value}")
   summary = export(args.src, args.out, force=args.force, max_shard_bytes=args.max_shard_mb << 20,
                    max_piece_bytes=args.piece_mb << 20, progress=not args.no_progress)
   print("\n".join(summary.lines()))

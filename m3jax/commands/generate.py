@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from m3jax.commands import options
 from m3jax.detokenize import IncrementalText
 from m3jax.parallel import cli as parallel_cli
 from m3jax.token_ids import parse_token_ids
@@ -29,6 +30,7 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
+  options.add_eos_argument(p)
   p.add_argument("--chat", action="store_true", help="wrap the prompt in the checkpoint's chat template")
   p.add_argument("--image", action="append", default=[], metavar="PATH",
                  help="an image for the prompt (repeatable); placed at the prompt's image markers, or before the "
@@ -60,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
     raise ValueError("give --prompt TEXT, --prompt-file PATH or --prompt-ids 1,2,3")
   if args.speculative < 0:
     raise ValueError(f"--speculative must be >= 0, got {args.speculative}")
+  options.check_sampling_args(args)
+  if args.prompt_ids is not None:
+    parse_token_ids(args.prompt_ids)  # a malformed list fails before the model loads
   if hasattr(args, "mesh"):
     parallel_cli.init_distributed(args)
   model = m3jax.load(args.checkpoint, kernels=args.kernels, with_mtp=args.speculative > 0,
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
       tokenizer = tok_lib.load_tokenizer(args.checkpoint)
     except FileNotFoundError:
       tokenizer = None
-  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
+  eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, model.config.text.vocab_size)
   if args.speculative:
     return _run_speculative(args, model, ids, eos, tokenizer, prompt_embeds)
   timings: dict[str, float] = {}

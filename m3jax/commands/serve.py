@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from m3jax.commands import options
 from m3jax.parallel import cli as parallel_cli
 
 
@@ -26,6 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="most alternatives per token a request may ask log-probabilities for (default 5; -1 turns "
                       "log-probabilities off, saving a log-softmax over the vocabulary per decode step)")
   p.add_argument("--model-name", default="minimax-m3", help="the id /v1/models reports")
+  p.add_argument("--max-request-bytes", type=int, default=None,
+                 help="largest request body accepted, checked from Content-Length before it is read (default: 64 "
+                      "bytes per --max-length token + 64 KiB)")
+  options.add_eos_argument(p)
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   parallel_cli.add_mesh_arguments(p, distributed=False)
   p.set_defaults(func=run)
@@ -35,24 +40,36 @@ def run(args: argparse.Namespace) -> int:
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
-  from m3jax.serving import Server, serve  # pylint: disable=g-import-not-at-top
+  from m3jax.interrupts import Terminated  # pylint: disable=g-import-not-at-top
+  from m3jax.serving import Server, attach, bind  # pylint: disable=g-import-not-at-top
 
+  options.check_sampling_args(args)
+  if args.max_logprobs < -1:
+    raise ValueError(f"--max-logprobs must be >= -1 (-1: off), got {args.max_logprobs}")
+  if args.max_request_bytes is not None and args.max_request_bytes < 1:
+    raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
   tok_lib.load_tokenizer(args.checkpoint)  # fails early without one
-  model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
-  eos = tok_lib.stop_token_ids(args.checkpoint, model.config.text.eos_token_ids)
-  engine = Engine(model, slots=args.slots, max_length=min(args.max_length, model.config.text.max_position_embeddings),
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
-                  logprobs=args.max_logprobs >= 0, top_logprobs=max(args.max_logprobs, 0))
-  server = Server(engine, args.checkpoint, model_name=args.model_name)
-  httpd = serve(server, args.host, args.port)
+  httpd = bind(args.host, args.port)  # a port in use fails now, not after the model loaded
+  try:
+    model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
+    eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, model.config.text.vocab_size)
+    engine = Engine(model, slots=args.slots,
+                    max_length=min(args.max_length, model.config.text.max_position_embeddings),
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
+                    logprobs=args.max_logprobs >= 0, top_logprobs=max(args.max_logprobs, 0))
+    server = Server(engine, args.checkpoint, model_name=args.model_name, max_body_bytes=args.max_request_bytes)
+  except BaseException:
+    httpd.server_close()
+    raise
+  attach(httpd, server)
   host, port = httpd.server_address[:2]
   print(f"[m3jax] serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 ({args.slots} slots, "
         f"up to {engine.max_length} tokens per request)", file=sys.stderr, flush=True)
   try:
     httpd.serve_forever()
-  except KeyboardInterrupt:
-    pass
+  except (KeyboardInterrupt, Terminated):
+    pass  # Ctrl-C / SIGTERM: the normal way to stop a server
   finally:
     httpd.server_close()
     server.close()

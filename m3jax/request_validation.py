@@ -1,0 +1,276 @@
+"""Checks on an HTTP completions / chat request at the server's edge, as pure functions of the request and the
+engine's limits (no sockets, no tokenizer, no engine): the body's size from its headers before it is read, the
+JSON body, and every field against what the engine can really run (int32 ranges, the vocabulary, the context
+length). Each refusal is a ``RequestError`` carrying the HTTP status and a one-line reason naming the field.
+
+``m3jax.serving`` calls them in this order: ``body_length`` (headers) -> read the body -> ``decode_body`` ->
+``parse_request`` (fields) -> render / tokenize the prompt -> ``check_prompt`` (ids, length, placeholders).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string: longer ones cannot end a reply any sooner than max_tokens would
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+ROUTES = (COMPLETIONS, CHAT)
+
+# Request fields that would change the result, with the values that do not (anything else gets a 400).
+UNSUPPORTED = {"echo": (False,), "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
+               "tools": (None, []), "response_format": (None, {"type": "text"})}
+
+
+class RequestError(ValueError):
+  """A request the server refuses, with the HTTP status (400 unless said) and the reason."""
+
+  def __init__(self, message: str, status: int = 400):
+    super().__init__(message)
+    self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the engine behind the server can run.
+
+  Attributes:
+    vocab_size: token ids must lie in [0, vocab_size).
+    max_length: prompt + max_tokens tokens per request.
+    max_logprobs: most alternatives per token a request may ask log-probabilities for; None: log-probabilities off.
+    max_body_bytes: largest request body read (checked from Content-Length before reading).
+    placeholder_ids: image / video placeholder token ids: a prompt holding one needs the image, which this
+      server does not take (m3jax serve runs the text backbone).
+  """
+
+  vocab_size: int
+  max_length: int
+  max_logprobs: int | None = None
+  max_body_bytes: int = 1 << 20
+  placeholder_ids: tuple[int, ...] = ()
+
+
+def default_body_limit(max_length: int) -> int:
+  """The body size ``m3jax serve`` accepts by default: room for a prompt of max_length tokens as ids
+  (~8 bytes each) or as JSON-escaped text (a token rarely spans more than ~16 escaped characters), plus 64 KiB."""
+  return 64 * max_length + (64 << 10)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+  """The fields of a checked request. Exactly one of ``text`` (completions text), ``messages`` (chat, for the
+  chat template) and ``prompt_ids`` (completions ids) is set. ``sampling`` holds Engine.submit's temperature /
+  top_k / top_p / seed as given (top_k -1 already mapped to 0)."""
+
+  chat: bool
+  max_tokens: int
+  sampling: dict[str, Any]
+  stop: tuple[str, ...] = ()
+  logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
+  stream: bool = False
+  text: str | None = None
+  messages: tuple[dict[str, str], ...] | None = None
+  prompt_ids: tuple[int, ...] | None = None
+
+
+def body_length(headers: Mapping[str, str], limit: int) -> int:
+  """The request body's size from its headers, before anything is read -> bytes to read.
+
+  Refuses a chunked (or otherwise encoded) body (411: the size must be known before reading), a missing,
+  malformed or negative Content-Length (411 / 400) and one over ``limit`` (413).
+  """
+  encoding = headers.get("Transfer-Encoding")
+  if encoding is not None and encoding.strip().lower() != "identity":
+    raise RequestError(f"Transfer-Encoding: {encoding[:40]} bodies are not accepted; send the body with a "
+                       "Content-Length", 411)
+  raw = headers.get("Content-Length")
+  if raw is None:
+    raise RequestError("the request needs a Content-Length header", 411)
+  raw = raw.strip()
+  if not raw.isdigit() or not raw.isascii():
+    raise RequestError(f"Content-Length must be a non-negative integer, got {raw[:40]!r}")
+  length = int(raw)
+  if length > limit:
+    raise RequestError(f"the body is {length} bytes; this server accepts at most {limit} "
+                       "(m3jax serve --max-request-bytes)", 413)
+  return length
+
+
+def _no_constants(name: str) -> float:
+  raise RequestError(f"the body is not JSON: {name} is not a JSON number")
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+  """A request body -> its JSON object (UTF-8, strict JSON: no NaN / Infinity, no nesting so deep that the parser
+  would overflow the stack)."""
+  try:
+    body = json.loads(data.decode("utf-8"), parse_constant=_no_constants)
+  except UnicodeDecodeError as e:
+    raise RequestError(f"the body is not UTF-8 text ({e.reason} at byte {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise RequestError(f"the body is not JSON: {e}") from None
+  except RecursionError:
+    raise RequestError("the body is not JSON this server reads: nested too deeply") from None
+  if not isinstance(body, dict):
+    raise RequestError(f"the body must be a JSON object, got a JSON {type(body).__name__}")
+  return body
+
+
+def is_int(value: Any) -> bool:
+  """A JSON integer (not a bool, not a float such as 2.0 or 2.5)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
+  """temperature / top_p / top_k / seed -> Engine.submit's keyword arguments (absent or null ones left out)."""
+  sampling: dict[str, Any] = {}
+  temperature = body.get("temperature")
+  if temperature is not None:
+    if not is_number(temperature) or not 0 <= temperature <= FLOAT32_MAX:
+      raise RequestError(f"temperature must be a finite number >= 0, got {_show(temperature)}")
+    sampling["temperature"] = float(temperature)
+  top_p = body.get("top_p")
+  if top_p is not None:
+    if not is_number(top_p) or not 0 < top_p <= 1:
+      raise RequestError(f"top_p must be a number in (0, 1], got {_show(top_p)}")
+    sampling["top_p"] = float(top_p)
+  top_k = body.get("top_k")
+  if top_k is not None:
+    if not is_int(top_k) or not -1 <= top_k <= INT32_MAX:
+      raise RequestError(f"top_k must be an integer in [-1, {INT32_MAX}] (-1 or 0: no cut), got {_show(top_k)}")
+    sampling["top_k"] = max(int(top_k), 0)
+  seed = body.get("seed")
+  if seed is not None:
+    if not is_int(seed) or not 0 <= seed <= INT32_MAX:
+      raise RequestError(f"seed must be an integer in [0, {INT32_MAX}], got {_show(seed)}")
+    sampling["seed"] = int(seed)
+  return sampling
+
+
+def parse_logprobs(body: Mapping[str, Any], chat: bool, limits: Limits) -> int | None:
+  """completions: logprobs = k (int); chat: logprobs = true, top_logprobs = k -> k, or None for none."""
+  if chat:
+    want, k = body.get("logprobs"), body.get("top_logprobs")
+    if want not in (None, False, True):
+      raise RequestError(f"logprobs must be true or false, got {_show(want)}")
+    if k is not None and not want:
+      raise RequestError("top_logprobs needs logprobs: true")
+    k = (k or 0) if want else None
+  else:
+    k = body.get("logprobs")
+  if k is None:
+    return None
+  if not is_int(k) or k < 0:
+    raise RequestError(f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {_show(k)}")
+  if limits.max_logprobs is None:
+    raise RequestError("log-probabilities are off on this server (m3jax serve --max-logprobs -1)")
+  if k > limits.max_logprobs:
+    raise RequestError(f"at most {limits.max_logprobs} log-probabilities per token on this server "
+                       f"(m3jax serve --max-logprobs), got {k}")
+  return int(k)
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+  """stop: null, a string or a list of at most MAX_STOP_STRINGS strings -> the non-empty ones ("" stops nothing,
+  as OpenAI accepts it)."""
+  stop = [] if value is None else [value] if isinstance(value, str) else value
+  if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(x, str) for x in stop):
+    raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, got {_show(value)}")
+  long = [x for x in stop if len(x) > MAX_STOP_CHARS]
+  if long:
+    raise RequestError(f"stop strings may hold at most {MAX_STOP_CHARS} characters, got one of {len(long[0])}")
+  return tuple(x for x in stop if x)
+
+
+def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
+  """chat messages: a non-empty list of {"role": str, "content": str} (other keys dropped)."""
+  if not isinstance(value, list) or not value:
+    raise RequestError('"messages" must be a non-empty list of {"role", "content"} objects')
+  for i, m in enumerate(value):
+    if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+      raise RequestError(f"message {i}: each message needs a string role and string content, got {_show(m)}")
+  return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def parse_request(path: str, body: Any, limits: Limits) -> ParsedRequest:
+  """A completions / chat body -> ParsedRequest; RequestError (400) naming the first field that is wrong."""
+  if path not in ROUTES:
+    raise RequestError(f"no route {path[:80]}", 404)
+  if not isinstance(body, dict):
+    raise RequestError("the body must be a JSON object")
+  chat = path == CHAT
+  sampling = parse_sampling(body)
+  max_tokens = body.get("max_tokens")
+  if max_tokens is None:
+    max_tokens = body.get("max_completion_tokens")
+  if max_tokens is None:
+    max_tokens = min(256 if chat else 16, limits.max_length - 1)  # OpenAI's defaults, within the engine's length
+  if not is_int(max_tokens) or max_tokens < 1:
+    raise RequestError(f"max_tokens must be a positive integer, got {_show(max_tokens)}")
+  if max_tokens >= limits.max_length:
+    raise RequestError(f"max_tokens ({max_tokens}) + a prompt of at least one token exceeds the engine's "
+                       f"max_length ({limits.max_length})")
+  n = body.get("n")
+  if n is not None and (not is_int(n) or n != 1):
+    raise RequestError(f"n > 1 is not supported (one completion per request; n must be 1), got {_show(n)}")
+  for name, harmless in UNSUPPORTED.items():
+    if name in body and not any(_same(body[name], h) for h in harmless):
+      raise RequestError(f"{name}={_show(body[name])} is not supported by this server (it would be ignored)")
+  stream = body.get("stream", False)
+  if stream not in (None, False, True):
+    raise RequestError(f"stream must be true or false, got {_show(stream)}")
+  common = dict(chat=chat, max_tokens=int(max_tokens), sampling=sampling, stop=parse_stop(body.get("stop")),
+                logprobs=parse_logprobs(body, chat, limits), stream=bool(stream))
+  if chat:
+    return ParsedRequest(messages=parse_messages(body.get("messages")), **common)
+  prompt = body.get("prompt")
+  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    prompt = prompt[0]  # a batch of one prompt
+  if isinstance(prompt, str) and prompt:
+    return ParsedRequest(text=prompt, **common)
+  if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    return ParsedRequest(prompt_ids=tuple(int(t) for t in prompt), **common)
+  raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
+
+
+def _same(value: Any, harmless: Any) -> bool:
+  """value == harmless without bool / number confusion (False == 0 in Python; presence_penalty false is not 0)."""
+  if isinstance(value, bool) != isinstance(harmless, bool):
+    return False
+  try:
+    return bool(value == harmless)
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def check_prompt(ids: tuple[int, ...] | list[int], max_tokens: int, limits: Limits) -> None:
+  """The prompt's token ids (given, or from the tokenizer) against the engine: at least one, each in the
+  vocabulary and not an image / video placeholder, and prompt + max_tokens within max_length."""
+  if not ids:
+    raise RequestError("the prompt has no tokens")
+  bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+  if bad:
+    raise RequestError(f"prompt ids outside [0, {limits.vocab_size}): {_show(bad[:8])}")
+  placeholders = sorted(set(ids) & set(limits.placeholder_ids))
+  if placeholders:
+    raise RequestError(f"the prompt holds image / video placeholder tokens {placeholders} but this server takes "
+                       "no images; remove them")
+  if len(ids) + max_tokens > limits.max_length:
+    raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's max_length "
+                       f"({limits.max_length})")
