@@ -9,12 +9,13 @@ from collections.abc import Iterator
 import numpy as np
 from safetensors import safe_open
 
+from m3jax.checkpoint.errors import CheckpointError
+from m3jax.checkpoint.safetensors_stream import read_tensor
+
+__all__ = ["CheckpointError", "SafetensorsDir", "read_weight_map"]
+
 INDEX_NAME = "model.safetensors.index.json"
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be read as an M3 model (names the file and tensor)."""
 
 
 def read_weight_map(index_path: str) -> dict[str, str]:
@@ -105,11 +106,7 @@ class SafetensorsDir:
     if name not in self._meta:
       raise CheckpointError(f"{self.path}: no tensor {name!r}")
     full = os.path.join(self.path, self._file_of[name])
-    try:
-      with safe_open(full, framework="numpy") as f:
-        return f.get_tensor(name)
-    except Exception as e:
-      raise CheckpointError(f"{full}: cannot read tensor {name!r} ({type(e).__name__}: {e})") from None
+    return read_tensor(full, name)
 
   def __iter__(self) -> Iterator[str]:
     return iter(self._meta)

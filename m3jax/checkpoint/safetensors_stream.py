@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import ml_dtypes
 import numpy as np
 
-from m3jax.checkpoint.safetensors_dir import CheckpointError
+from m3jax.checkpoint.errors import CheckpointError
 
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8), "I16": np.dtype(np.int16),
