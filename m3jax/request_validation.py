@@ -312,7 +312,9 @@ def parse_request(path: str, body: Any, limits: Limits) -> ParsedRequest:
   check_model(body, limits)
   chat = path == CHAT
   sampling = parse_sampling(body)
-  echo = False if chat else _flag(body, "echo", False)
+  echo = _flag(body, "echo", False)
+  if chat and echo:
+    raise RequestError("echo=True is not supported for chat completions (only for /v1/completions)", param="echo")
   max_tokens = body.get("max_tokens")
   if max_tokens is None:
     max_tokens = body.get("max_completion_tokens")

@@ -668,7 +668,7 @@ class _Loading(http.server.BaseHTTPRequestHandler):
 
   def _loading(self):
     self.close_connection = True
-    data = json.dumps({"status": "loading"}).encode()
+    data = json.dumps({"status": "loading", **error_body("the model is still loading; retry shortly", 503)}).encode()
     self.send_response(503)
     self.send_header("Content-Type", "application/json")
     self.send_header("Content-Length", str(len(data)))
