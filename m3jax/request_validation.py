@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: longer ones cannot end a reply any sooner than max_tokens would
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is its own choice and its own engine request)
+MAX_CHOICES = 64  # prompts x n: the engine requests one HTTP request may queue
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # the tokenizer over HTTP (vLLM's routes; lm-eval's "remote")
@@ -103,6 +104,7 @@ class ParsedRequest:
   echo: bool = False  # completions: the reply starts with the prompt (its text, and its tokens' log-probabilities)
   include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
   skip_special_tokens: bool = True  # special tokens (<bos>, image markers, ...) are left out of reply text
+  n: int = 1  # choices per prompt (choice i * n + j is prompt i's j-th)
 
 
 def body_length(headers: Mapping[str, str], limit: int) -> int:
@@ -327,9 +329,9 @@ def parse_request(path: str, body: Any, limits: Limits) -> ParsedRequest:
     raise RequestError(f"max_tokens ({max_tokens}) + a prompt of at least one token exceeds the engine's "
                        f"max_length ({limits.max_length})", param="max_tokens")
   n = body.get("n")
-  if n is not None and (not is_int(n) or n != 1):
-    raise RequestError(f"n must be 1 (one completion per prompt; n > 1 is not supported), got {_show(n)}",
-                       param="n")
+  n = 1 if n is None else n
+  if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+    raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {_show(n)}", param="n")
   for name, harmless in UNSUPPORTED.items():
     if name in body and not any(_same(body[name], h) for h in harmless):
       raise RequestError(f"{name}={_show(body[name])} is not supported by this server (it would be ignored)",
@@ -340,12 +342,15 @@ def parse_request(path: str, body: Any, limits: Limits) -> ParsedRequest:
     raise RequestError("stream_options must be an object, and only with stream: true"
                        f", got {_show(options)}", param="stream_options")
   include_usage = _flag(options or {}, "include_usage", False)
-  common = dict(chat=chat, max_tokens=int(max_tokens), sampling=sampling, stop=parse_stop(body.get("stop")),
+  common = dict(chat=chat, max_tokens=int(max_tokens), sampling=sampling, stop=parse_stop(body.get("stop")), n=int(n),
                 logprobs=parse_logprobs(body, chat, limits), stream=stream, echo=echo, include_usage=include_usage,
                 skip_special_tokens=_flag(body, "skip_special_tokens", True))
   if chat:
     return ParsedRequest(messages=parse_messages(body.get("messages")), **common)
-  return ParsedRequest(prompts=parse_prompts(body.get("prompt")), **common)
+  prompts = parse_prompts(body.get("prompt"))
+  if len(prompts) * n > MAX_CHOICES:
+    raise RequestError(f"{len(prompts)} prompts x n={n} choices: at most {MAX_CHOICES} per request", param="n")
+  return ParsedRequest(prompts=prompts, **common)
 
 
 def _same(value: Any, harmless: Any) -> bool:

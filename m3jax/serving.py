@@ -89,10 +89,16 @@ class Request:
   echo: bool = False
   include_usage: bool = False
   skip_special_tokens: bool = True
+  n: int = 1  # choices per prompt: choice c is prompt c // n's (c % n)-th
 
   @property
   def prompt_tokens(self) -> int:
+    """The prompts' tokens, each counted once however many choices it has (as OpenAI counts them)."""
     return sum(len(p) for p in self.prompts)
+
+  @property
+  def choices(self) -> int:
+    return len(self.prompts) * self.n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,12 +222,15 @@ class Server:
           raise
         raise RequestError(f"prompt {i}: {e}", e.status, param="prompt") from None
     return Request(tuple(tuple(p) for p in prompts), parsed.max_tokens, dict(parsed.sampling), parsed.stop,
-                   parsed.logprobs, parsed.stream, parsed.echo, parsed.include_usage, parsed.skip_special_tokens)
+                   parsed.logprobs, parsed.stream, parsed.echo, parsed.include_usage, parsed.skip_special_tokens,
+                   parsed.n)
 
   def submit(self, request: Request) -> tuple[list[int], queue.Queue]:
-    """Queues one engine request per prompt (none with max_tokens 0) -> (their ids, in prompt order; the queue
-    their ``Update``s arrive on; a GenerationFailed there if the engine stopped). RequestError 503 when the engine
-    cannot serve, 400 when it refuses a prompt (then none of the request's prompts is left queued)."""
+    """Queues one engine request per choice (n per prompt; none with max_tokens 0) -> (their ids, in choice order;
+    the queue their ``Update``s arrive on; a GenerationFailed there if the engine stopped). A prompt's j-th choice
+    samples with the request's seed + j (or, without a seed, the engine's own seed per request). RequestError 503
+    when the engine cannot serve, 400 when it refuses a prompt (then none of the request's choices is left
+    queued)."""
     updates: queue.Queue = queue.Queue()
     ids: list[int] = []
     with self._lock:
@@ -230,10 +239,14 @@ class Server:
         raise RequestError(f"the server cannot serve: {failure}", 503)
       if request.max_tokens == 0:
         return ids, updates
-      for prompt in request.prompts:
+      for choice in range(request.choices):
+        prompt, j = request.prompts[choice // request.n], choice % request.n
+        sampling = dict(request.sampling)
+        if "seed" in sampling:
+          sampling["seed"] = (sampling["seed"] + j) % 2**31
         request_id = next(self._ids)
         try:
-          self.engine.submit(prompt, max_new_tokens=request.max_tokens, request_id=request_id, **request.sampling)
+          self.engine.submit(prompt, max_new_tokens=request.max_tokens, request_id=request_id, **sampling)
         except ValueError as e:
           for queued in ids:
             self._pending.pop(queued, None)
@@ -567,13 +580,14 @@ def make_handler(server: Server):
     def _whole(self, pieces, request: Request, chat: bool, reply: dict[str, Any], echoes: list[Echo] | None
                ) -> None:
       try:
-        merged: list[list[Piece]] = [[] for _ in request.prompts]
+        merged: list[list[Piece]] = [[] for _ in range(request.choices)]
         for i, piece in pieces:
           merged[i].append(piece)
       except (GenerationFailed, RequestError) as e:
         self._error(500, f"generation failed: {e}")
         return
       choices, generated = [], 0
+      echoes = None if echoes is None else [echoes[c // request.n] for c in range(request.choices)]
       for i, own in enumerate(merged):
         text = "".join(p.text for p in own)
         finish = own[-1].finish_reason if own else "length"  # max_tokens 0: the prompt alone
@@ -612,8 +626,9 @@ def make_handler(server: Server):
       if request.include_usage:
         reply["usage"] = None  # OpenAI's chunks carry "usage": null until the last one
       started: set[int] = set()
-      generated = [0] * len(request.prompts)
-      shift = [len(e.text) for e in echoes] if echoes else [0] * len(request.prompts)
+      generated = [0] * request.choices
+      echoes = None if echoes is None else [echoes[c // request.n] for c in range(request.choices)]
+      shift = [len(e.text) for e in echoes] if echoes else [0] * request.choices
       if echoes:  # each choice starts with its prompt
         for i, e in enumerate(echoes):
           choice = {"index": i, "text": e.text, "finish_reason": None if request.max_tokens else "length"}

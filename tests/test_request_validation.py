@@ -41,7 +41,8 @@ def test_int32_fields_are_checked_at_the_edge():
 def test_lengths_vocabulary_and_placeholders():
   assert "max_tokens must be a positive integer, got 2.5" in _refused(COMPLETIONS, {"prompt": "x", "max_tokens": 2.5})
   assert "exceeds the engine's max_length (256)" in _refused(COMPLETIONS, {"prompt": "x", "max_tokens": 256})
-  assert "n > 1 is not supported" in _refused(COMPLETIONS, {"prompt": "x", "n": 2})
+  assert "n must be an integer in [1, 64], got 65" in _refused(COMPLETIONS, {"prompt": "x", "n": 65})
+  assert parse_request(COMPLETIONS, {"prompt": ["x", "y"], "n": 3}, LIMITS).n == 3
   assert "stream must be true or false" in _refused(COMPLETIONS, {"prompt": "x", "stream": "yes"})
   assert "stop strings may hold at most 1024" in _refused(COMPLETIONS, {"prompt": "x", "stop": "a" * 2000})
   assert "message 1: each message needs a string role" in _refused(

@@ -91,7 +91,8 @@ def test_chat_whole_and_streamed(served):
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt ids outside"),
     ("/v1/completions", {"prompt": [1, True]}, '"prompt" must be a non-empty string, a list of token ids, or a'),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": True}, "max_tokens must be a positive integer"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1 is not supported"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n must be an integer in [1, 64], got 0"),
+    ("/v1/completions", {"prompt": ["x"] * 40, "n": 2}, "40 prompts x n=2 choices: at most 64 per request"),
     ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop must be a string or a list of at most 16 strings"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop must be a string or a list of at most 16"),
@@ -475,6 +476,22 @@ def test_a_list_of_prompts_gets_a_choice_each_whole_and_streamed_with_usage(serv
     assert "".join(c["text"] for c in mine) == text and mine[-1]["finish_reason"] == reason
   assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
   assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_n_choices_per_prompt_follow_the_seed_plus_their_rank(served):
+  body = {"prompt": ["What is sparse attention?", [7, 8, 9]], "max_tokens": 5, "temperature": 0.9, "seed": 11,
+          "n": 2, "echo": True}
+  r = _post(served["url"] + "/v1/completions", body)
+  assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+  assert r["usage"]["prompt_tokens"] == len(served["tok"].encode(body["prompt"][0], add_special_tokens=False).ids) + 3
+  for c in r["choices"]:  # choice c is prompt c // 2's (c % 2)-th, sampled with seed 11 + c % 2
+    alone = _post(served["url"] + "/v1/completions", {**body, "prompt": body["prompt"][c["index"] // 2], "n": None,
+                                                       "seed": 11 + c["index"] % 2})["choices"][0]
+    assert c["text"] == alone["text"] and c["finish_reason"] == alone["finish_reason"]
+  assert r["choices"][0]["text"] != r["choices"][1]["text"]  # two samples, not one twice
+  chunks = _events(_post(served["url"] + "/v1/completions", {**body, "stream": True}, raw=True))
+  for c in r["choices"]:
+    assert "".join(x["choices"][0]["text"] for x in chunks if x["choices"][0]["index"] == c["index"]) == c["text"]
 
 
 @pytest.mark.quick
