@@ -46,6 +46,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,6 +65,11 @@ __all__ = ["Request", "RequestError", "Server", "attach", "bind", "make_handler"
 _POLL_S = 0.05  # how often a request waiting for its first tokens checks whether its client is still there
 _SOCKET_TIMEOUT_S = 60.0  # a client that stops sending mid-request (or idles on a kept-alive connection)
 _QUIET_PATHS = ("/health", "/metrics")  # logged at DEBUG: monitors poll them
+# Echo scoring computes logits over every prompt token: at most this many tokens of them per forward (rows x chunk
+# width), each prompt in chunks of the engine's prefill_chunk or _SCORE_CHUNK tokens (a power of two, as
+# generate's prefill_chunk; shorter prompts run whole).
+_SCORE_TOKENS = 4096
+_SCORE_CHUNK = 1024
 log = logging.getLogger("m3jax.serving")
 
 
@@ -160,6 +166,11 @@ class Server:
     if not self._worker.is_alive() and not self._stopping:
       return "the engine's worker thread has stopped"
     return None
+
+  def model_card(self) -> dict[str, Any]:
+    """The served model as /v1/models lists it."""
+    return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "m3jax",
+            "max_model_len": self.engine.max_length}
 
   def engine_stats(self) -> dict[str, Any]:
     """The engine's live counts for /metrics (``Engine.serving_stats``; {} for an engine without it)."""
@@ -310,28 +321,32 @@ class Server:
         self.cancel(r)
 
   def echo(self, request: Request) -> list[Echo]:
-    """Each prompt as its choice starts with ``echo``: text, tokens and offsets, and with ``logprobs`` each
-    token's log-probability and top alternatives (one scoring forward for all the prompts)."""
+    """Each prompt as its choices start with ``echo``: text, tokens and offsets, and with ``logprobs`` each
+    token's log-probability and top alternatives (``token_logprobs``: the prompts scored a few rows at a time,
+    ``_SCORE_TOKENS`` tokens of logits per forward, in chunks of the engine's prefill_chunk or ``_SCORE_CHUNK``)."""
+    from m3jax.generate import bucket_length  # pylint: disable=g-import-not-at-top
     from m3jax.scoring import token_logprobs  # pylint: disable=g-import-not-at-top
 
     skip = request.skip_special_tokens
-    echoes = []
-    for ids in request.prompts:
-      echoes.append(Echo(text=self.tokenizer.decode(list(ids), skip_special_tokens=skip), ids=list(ids),
-                         offsets=TextOffsets(self.token_strings, skip).add(ids)))
+    echoes = [Echo(text=self.tokenizer.decode(list(ids), skip_special_tokens=skip), ids=list(ids),
+                   offsets=TextOffsets(self.token_strings, skip).add(ids)) for ids in request.prompts]
     if request.logprobs is None:
       return echoes
     k = request.logprobs
-    with self._scoring:
-      scored = token_logprobs(self.engine.model, [list(p) for p in request.prompts], top_k=k,
-                              prefill_chunk=self.engine.prefill_chunk)
+    chunk = self.engine.prefill_chunk or _SCORE_CHUNK
+    width = min(bucket_length(max(len(p) for p in request.prompts)), chunk)
+    rows = max(1, _SCORE_TOKENS // width)
     out = []
-    for b, e in enumerate(echoes):
-      n = len(e.ids)
-      lps = [None] + scored.logprobs[b, 1:n].tolist()
-      top = [None] + ([list(zip(scored.top_ids[b, t].tolist(), scored.top_logprobs[b, t].tolist()))
-                       for t in range(1, n)] if k else [[] for _ in range(1, n)])
-      out.append(dataclasses.replace(e, logprobs=lps, top=top))
+    for first in range(0, len(echoes), rows):
+      group = echoes[first:first + rows]
+      with self._scoring:
+        scored = token_logprobs(self.engine.model, [e.ids for e in group], top_k=k, prefill_chunk=chunk)
+      for b, e in enumerate(group):
+        n = len(e.ids)
+        lps = [None] + scored.logprobs[b, 1:n].tolist()
+        top = [None] + ([list(zip(scored.top_ids[b, t].tolist(), scored.top_logprobs[b, t].tolist()))
+                         for t in range(1, n)] if k else [[] for _ in range(1, n)])
+        out.append(dataclasses.replace(e, logprobs=lps, top=top))
     return out
 
   def top_dict(self, top: Sequence[tuple[int, float]]) -> dict[str, float]:
@@ -467,8 +482,14 @@ def make_handler(server: Server):
         else:
           self._json(503, {"status": "error", "message": failure})
       elif self.path == "/v1/models":
-        self._json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                                      "created": 0, "owned_by": "m3jax"}]})
+        self._json(200, {"object": "list", "data": [server.model_card()]})
+      elif self.path.startswith("/v1/models/"):
+        name = urllib.parse.unquote(self.path[len("/v1/models/"):])
+        if name == server.model_name:
+          self._json(200, server.model_card())
+        else:
+          self._error(404, f"The model {name[:80]!r} does not exist: this server serves {server.model_name!r}",
+                      param="model", code="model_not_found")
       elif self.path == "/metrics":
         data = server.metrics.render(server.engine_stats()).encode()
         self.send_response(200)

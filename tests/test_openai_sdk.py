@@ -29,6 +29,9 @@ def _greedy_text(served, ids, n):
 def test_models_and_errors_parse_as_the_sdks_types(served):
   client = served["client"]
   assert [m.id for m in client.models.list()] == [MODEL_NAME]
+  assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+  with pytest.raises(openai.NotFoundError):
+    client.models.retrieve("gpt-4o")
   with pytest.raises(openai.NotFoundError) as e:
     client.completions.create(model="gpt-4o", prompt="Hello", max_tokens=2)
   assert (e.value.status_code, e.value.code, e.value.param) == (404, "model_not_found", "model")

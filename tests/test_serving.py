@@ -419,7 +419,7 @@ def _events(raw):
   return [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
 
 
-def test_echo_gives_the_prompt_its_log_probabilities_and_every_generated_token(served):
+def test_echo_gives_the_prompt_its_log_probabilities_and_every_generated_token(served, monkeypatch):
   """What lm-eval's loglikelihood sends ({"prompt": [[ids], [ids]], "max_tokens": 1, "logprobs": 1, "echo": true})
   and reads (token_logprobs[ctxlen:-1]): the same numbers as score_continuations."""
   from m3jax.scoring import score_continuations, token_logprobs  # pylint: disable=g-import-not-at-top
@@ -456,6 +456,13 @@ def test_echo_gives_the_prompt_its_log_probabilities_and_every_generated_token(s
     assert len(top) == 2 and list(top.values()) == scored.top_logprobs[0, t].tolist()
     if scored.greedy[0, t]:
       assert max(top.values()) == choice["logprobs"]["token_logprobs"][t]
+  import m3jax.serving as serving_module  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(serving_module, "_SCORE_TOKENS", 16)  # one prompt per scoring forward: the same numbers
+  apart = _post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 0, "logprobs": 2, "echo": True})
+  for one, together in zip(apart["choices"], r["choices"]):
+    np.testing.assert_allclose(one["logprobs"]["token_logprobs"][1:], together["logprobs"]["token_logprobs"][1:-1],
+                               rtol=1e-6, atol=1e-6)
+  monkeypatch.undo()
   echoed = _post(served["url"] + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "echo": True})
   assert echoed["choices"][0]["text"] == "Hello" + _greedy(served, tok.encode("Hello", add_special_tokens=False).ids,
                                                             2)[0] and echoed["choices"][0]["logprobs"] is None
