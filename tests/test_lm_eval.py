@@ -18,19 +18,24 @@ import pathlib
 import subprocess
 import sys
 
-import lm_eval
-import numpy as np
-import pytest
-from lm_eval.tasks import TaskManager
+# lm-eval loads the tasks' local JSONL files with Hugging Face datasets, which reads these when imported (below):
+# nothing may reach for the Hub (CI has no network).
+_OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+for _key, _value in _OFFLINE.items():
+  os.environ.setdefault(_key, _value)
 
-import m3jax
-from m3jax.generate import generate
-from served_checkpoint import MODEL_NAME, served_checkpoint
+import lm_eval  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+import m3jax  # noqa: E402
+from m3jax.generate import generate  # noqa: E402
+from served_checkpoint import MODEL_NAME, served_checkpoint  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TASK_DIR = "tests/fixtures/lm_eval"  # its YAML names the JSONL files relative to the repository root
 TASKS = ["m3jax_mc", "m3jax_rolling", "m3jax_gen"]
-_OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +45,8 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture
-def offline(monkeypatch, tmp_path):
-  """lm-eval in this process: run from the repository root, datasets offline with a cache of its own."""
-  for key, value in {**_OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf")}.items():
-    monkeypatch.setenv(key, value)
+def offline(monkeypatch):
+  """lm-eval in this process runs from the repository root (the task files name their data from there)."""
   monkeypatch.chdir(REPO)
 
 
