@@ -463,6 +463,16 @@ def test_echo_gives_the_prompt_its_log_probabilities_and_every_generated_token(s
     np.testing.assert_allclose(one["logprobs"]["token_logprobs"][1:], together["logprobs"]["token_logprobs"][1:-1],
                                rtol=1e-6, atol=1e-6)
   monkeypatch.undo()
+  # Streamed: each choice's first chunk is its prompt; the chunks add up to the whole reply, logprobs included.
+  whole = _post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 4, "logprobs": 2, "echo": True})
+  chunks = _events(_post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 4, "logprobs": 2,
+                                                             "echo": True, "stream": True}, raw=True))
+  for c in whole["choices"]:
+    mine = [x["choices"][0] for x in chunks if x["choices"][0]["index"] == c["index"]]
+    assert mine[0]["text"] == tok.decode((a, b)[c["index"]]) and mine[-1]["finish_reason"] == c["finish_reason"]
+    assert "".join(x["text"] for x in mine) == c["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+      assert [v for x in mine for v in x["logprobs"][key]] == c["logprobs"][key], key
   echoed = _post(served["url"] + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "echo": True})
   assert echoed["choices"][0]["text"] == "Hello" + _greedy(served, tok.encode("Hello", add_special_tokens=False).ids,
                                                             2)[0] and echoed["choices"][0]["logprobs"] is None
@@ -606,3 +616,20 @@ def test_tokenizer_routes(served):
   with pytest.raises(urllib.error.HTTPError) as e:
     _post(served["url"] + "/detokenize", {"tokens": [1, 99999]})
   assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
+
+
+@pytest.mark.quick
+def test_a_server_still_loading_answers_503_in_openais_shape():
+  from m3jax.serving import bind  # pylint: disable=g-import-not-at-top
+  httpd = bind(port=0)  # bound, no model yet (m3jax serve binds before loading)
+  threading.Thread(target=httpd.serve_forever, daemon=True).start()
+  try:
+    with pytest.raises(urllib.error.HTTPError) as e:
+      _post(f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions", {"prompt": "x"})
+    body = json.loads(e.value.read())
+    assert e.value.code == 503 and body["status"] == "loading"
+    assert body["error"] == {"message": "the model is still loading; retry shortly", "type": "server_error",
+                             "param": None, "code": None}
+  finally:
+    httpd.shutdown()
+    httpd.server_close()
