@@ -10,7 +10,8 @@ import threading
 import m3jax
 from m3jax.demo import build_demo_checkpoint
 from m3jax.engine import Engine
-from m3jax.serving import Server, serve
+from m3jax.serving import Server
+from m3jax.serving_http import serve
 from m3jax.tokenizer import load_tokenizer
 
 MODEL_NAME = "tiny-m3"

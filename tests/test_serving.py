@@ -13,7 +13,8 @@ import pytest
 import m3jax
 from m3jax.engine import Engine
 from m3jax.generate import generate
-from m3jax.serving import Server, serve
+from m3jax.serving import Server
+from m3jax.serving_http import serve
 from m3jax.tokenizer import render_messages
 from served_checkpoint import served_checkpoint
 
@@ -620,7 +621,7 @@ def test_tokenizer_routes(served):
 
 @pytest.mark.quick
 def test_a_server_still_loading_answers_503_in_openais_shape():
-  from m3jax.serving import bind  # pylint: disable=g-import-not-at-top
+  from m3jax.serving_http import bind  # pylint: disable=g-import-not-at-top
   httpd = bind(port=0)  # bound, no model yet (m3jax serve binds before loading)
   threading.Thread(target=httpd.serve_forever, daemon=True).start()
   try:

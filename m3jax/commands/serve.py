@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
   from m3jax.interrupts import Terminated  # pylint: disable=g-import-not-at-top
-  from m3jax.serving import Server, attach, bind  # pylint: disable=g-import-not-at-top
+  from m3jax.serving import Server  # pylint: disable=g-import-not-at-top
+  from m3jax.serving_http import attach, bind  # pylint: disable=g-import-not-at-top
 
   options.check_sampling_args(args)
   if args.max_logprobs < -1:
