@@ -162,3 +162,22 @@ def test_the_adapter_is_registered_and_refuses_bad_arguments(served):
   lm = M3JaxLM(model=served["model"], checkpoint=served["ckpt"], max_length=256)
   assert (lm.prefix_token_id, lm.eot_token_id) == (1, 2)  # <bos>, <eos>: what the server's /tokenizer_info names
   assert lm.tok_encode("Hello") == served["tok"].encode("Hello", add_special_tokens=False).ids
+
+
+def test_long_texts_are_scored_in_the_same_rolling_windows_over_http_and_in_process(served, offline):
+  """With max_length 8 each text spans several rolling windows: local-completions and the adapter score the same
+  windows, so their log-likelihoods agree, and they differ from scoring each text in one window."""
+  from m3jax.evaluation.lm_eval_adapter import M3JaxLM  # pylint: disable=g-import-not-at-top
+  tasks = TaskManager(include_path=str(REPO / TASK_DIR), include_defaults=False)
+  http = lm_eval.simple_evaluate(model="local-completions", model_args={
+      "model": MODEL_NAME, "base_url": served["url"] + "/v1/completions", "tokenizer_backend": "remote",
+      "max_length": 8}, tasks=["m3jax_rolling"], task_manager=tasks, batch_size=2, log_samples=True)
+  lm = M3JaxLM(model=served["model"], checkpoint=served["ckpt"], max_length=8, batch_size=2)
+  local = lm_eval.simple_evaluate(model=lm, tasks=["m3jax_rolling"], task_manager=tasks, log_samples=True)
+  got, want = ([float(s["resps"][0][0]) for s in sorted(run["samples"]["m3jax_rolling"], key=lambda s: s["doc_id"])]
+               for run in (local, http))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  texts = [served["tok"].encode(d["text"], add_special_tokens=False).ids for d in _docs("text")]
+  assert min(len(t) for t in texts) > 7  # several windows each
+  whole = _scores(served["model"], [([1], t) for t in texts])  # each text in one window
+  assert all(abs(g - w) > 1e-2 for g, w in zip(got, whole))

@@ -33,8 +33,10 @@ class M3JaxLM(TemplateLM):
   Args:
     pretrained: checkpoint directory (loaded text only); or pass ``model`` (a loaded M3ForCausalLM) and
       ``checkpoint`` (its directory, for the tokenizer).
-    max_length: the most tokens of one scored sequence, and of prompt + generation (longer contexts are cut from
-      the left, as lm-eval's API models do).
+    max_length: as lm-eval's API models count it: scored sequences and prompt + generation hold at most
+      max_length - 1 tokens (the API keeps one token free for the one the server generates after an echo), longer
+      contexts cut from the left; so the adapter and ``local-completions`` with the same max_length score the same
+      tokens and the same rolling windows.
     batch_size: sequences scored in one forward, and the engine's slots for generation.
     max_gen_toks: generate_until's budget when a task sets none.
     kernels, prefill_chunk, steps_per_call: as in ``m3jax serve``.
@@ -59,11 +61,12 @@ class M3JaxLM(TemplateLM):
     self.checkpoint = os.fspath(checkpoint)
     self.model = model if model is not None else m3jax.load(self.checkpoint, kernels=kernels, text_only=True)
     limit = self.model.config.text.max_position_embeddings
-    self.max_length = min(int(max_length), limit)
+    self._engine_length = min(int(max_length), limit)
+    self.max_length = self._engine_length - 1  # as lm-eval's TemplateAPI: one token kept free
     self.batch_size = int(batch_size)
     self.max_gen_toks, self.prefill_chunk, self.steps_per_call = int(max_gen_toks), prefill_chunk, steps_per_call
     if self.batch_size < 1 or self.max_length < 2:
-      raise ValueError(f"m3jax lm-eval model: batch_size >= 1 and max_length >= 2, got {batch_size}, {max_length}")
+      raise ValueError(f"m3jax lm-eval model: batch_size >= 1 and max_length >= 3, got {batch_size}, {max_length}")
     self.tokenizer = tok_lib.load_tokenizer(self.checkpoint)
     self._stop_ids = tok_lib.stop_token_ids(self.checkpoint, self.model.config.text.eos_token_ids)
     if not self._stop_ids:
@@ -134,8 +137,8 @@ class M3JaxLM(TemplateLM):
     totals = []
     for (text,) in [r.args for r in requests]:
       windows = [(None,) + lm_utils.make_disjoint_window(w) for w in lm_utils.get_rolling_token_windows(
-          token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-          context_len=1)]
+          token_list=self.tok_encode(text), prefix_token=self.prefix_token_id, max_seq_len=self.max_length - 1,
+          context_len=1)]  # windows of max_length tokens (context + predicted), as TemplateAPI makes them
       total = sum(x[0] for x in self._loglikelihood_tokens(windows))
       self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
       totals.append(total)
@@ -148,7 +151,7 @@ class M3JaxLM(TemplateLM):
     from m3jax.reply import Reply  # pylint: disable=g-import-not-at-top
 
     if self._engine is None:
-      self._engine = Engine(self.model, slots=self.batch_size, max_length=self.max_length,
+      self._engine = Engine(self.model, slots=self.batch_size, max_length=self._engine_length,
                             eos_token_ids=self._stop_ids, steps_per_call=self.steps_per_call,
                             prefill_chunk=self.prefill_chunk)
     engine = self._engine
@@ -164,7 +167,9 @@ class M3JaxLM(TemplateLM):
         sampling["top_p"] = float(kwargs["top_p"])
       if sample and kwargs.get("top_k") is not None:
         sampling["top_k"] = int(kwargs["top_k"])
-      ids = self.tok_encode(context)[-(self.max_length - budget):]
+      if not 0 < budget < self.max_length:
+        raise ValueError(f"max_gen_toks ({budget}) must be in [1, max_length - 1 = {self.max_length})")
+      ids = self.tok_encode(context)[-(self.max_length - budget):]  # as TemplateAPI cuts contexts
       engine.submit(ids, max_new_tokens=budget, request_id=i, **sampling)
       replies.append(Reply(self.tokenizer, until, skip_special_tokens=True))
     try:
