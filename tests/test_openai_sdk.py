@@ -105,3 +105,17 @@ def test_chat_text_parts_streaming_with_usage_and_logprobs(served):
   assert [c.usage for c in chunks[:-1]] == [None] * (len(chunks) - 1)
   assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
   assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_n_choices_whole_and_streamed(served):
+  client = served["client"]
+  body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi there"}], max_tokens=5, n=2,
+              temperature=0.9, seed=5)
+  whole = client.chat.completions.create(**body)
+  assert [c.index for c in whole.choices] == [0, 1]
+  assert whole.choices[0].message.content != whole.choices[1].message.content  # seeds 5 and 6: two samples
+  chunks = list(client.chat.completions.create(**body, stream=True))
+  for c in whole.choices:
+    mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == c.index]
+    assert mine[0].delta.role == "assistant" and "".join(m.delta.content or "" for m in mine) == c.message.content
+    assert mine[-1].finish_reason == c.finish_reason
