@@ -25,16 +25,19 @@ class IncrementalText:
   """Text of a growing token sequence, released in deltas.
 
   Args:
-    tokenizer: a ``tokenizers.Tokenizer`` (decoded with special tokens kept, as the model wrote them).
+    tokenizer: a ``tokenizers.Tokenizer``.
     stop: stop strings; the text ends just before the first occurrence of any of them (``stopped`` is then True).
+    skip_special_tokens: leave special tokens (``<bos>``, image markers, ...) out of the text; by default they are
+      kept, as the model wrote them.
 
   ``add(ids)`` -> the newly final text; ``finish()`` -> the rest once no more ids come. The concatenated deltas
   equal ``text``: the decoded ids, cut before the first stop string. ``stop_index``: once stopped, how many ids
   it took to complete the stop string (ids past it are not part of the completion).
   """
 
-  def __init__(self, tokenizer, stop: Sequence[str] = ()):
+  def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = False):
     stop = [stop] if isinstance(stop, str) else list(stop)
+    self._skip = bool(skip_special_tokens)
     if any(not isinstance(s, str) or not s for s in stop):
       raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
     self.tokenizer, self.stop = tokenizer, stop
@@ -81,10 +84,10 @@ class IncrementalText:
   def _decode(self) -> str:
     """The text of all ids: the settled text plus the text the newer ids add after a few settled ones."""
     start = max(0, self._settled_ids - _CONTEXT_TOKENS)
-    head = self.tokenizer.decode(self.ids[start:self._settled_ids], skip_special_tokens=False)
-    window = self.tokenizer.decode(self.ids[start:], skip_special_tokens=False)
+    head = self.tokenizer.decode(self.ids[start:self._settled_ids], skip_special_tokens=self._skip)
+    window = self.tokenizer.decode(self.ids[start:], skip_special_tokens=self._skip)
     if start == 0 or not window.startswith(head) or not self._settled_text.endswith(head):
-      return self.tokenizer.decode(self.ids, skip_special_tokens=False)  # the window does not line up: all ids
+      return self.tokenizer.decode(self.ids, skip_special_tokens=self._skip)  # the window does not line up: all ids
     return self._settled_text + window[len(head):]
 
   def _cut_at_stop(self) -> bool:
@@ -120,6 +123,22 @@ class TokenStrings:
 
   def text(self, token_id: int) -> str:
     return self._get(int(token_id))[0]
+
+  def is_special(self, token_id: int) -> bool:
+    """A special token (``<bos>``, image markers, ...): what ``skip_special_tokens`` leaves out of text."""
+    return int(token_id) in self._special
+
+  def key(self, token_id: int) -> str:
+    """The token as OpenAI's completions logprobs name it: its text when its bytes are whole UTF-8 characters,
+    else ``bytes:\\xNN...`` (its bytes, escaped), so that distinct tokens get distinct names (many byte tokens
+    share the text U+FFFD)."""
+    raw = self._get(int(token_id))[1]
+    if raw is None:  # a token of a decoder whose bytes are not known, holding part of a character
+      return f"token_id:{int(token_id)}"
+    try:
+      return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+      return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
   def bytes(self, token_id: int) -> list[int] | None:
     return self._get(int(token_id))[1]

@@ -185,6 +185,15 @@ class Engine:
     with self._lock:
       self._cancelled.add(request_id)
 
+  def serving_stats(self) -> dict[str, int]:
+    """Live counts for a server's metrics (m3jax.metrics): requests "waiting" and "running", and the cache
+    "cache_slots_used" / "cache_slots_total". (A paged engine adds "cache_pages_used" / "cache_pages_total" and
+    "prefix_cache_queries" / "prefix_cache_hits", in prompt tokens.)"""
+    with self._lock:
+      waiting = len(self._waiting)
+    running = sum(s is not None for s in self._slots)
+    return {"waiting": waiting, "running": running, "cache_slots_used": running, "cache_slots_total": len(self._slots)}
+
   def run(self) -> Iterator[Completion]:
     """Runs every submitted request (and those submitted meanwhile) to completion, yielding each one as it ends."""
     for update in self.stream():

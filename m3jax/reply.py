@@ -41,6 +41,10 @@ class Reply:
     tokenizer: a ``tokenizers.Tokenizer``, or None for ids only (no text; then no stop strings either).
     stop: stop strings (the text ends before the first one).
     token_strings: the tokenizer's ``TokenStrings``, to give each listed token's character offset in the text.
+    skip_special_tokens: leave special tokens (``<bos>``, image markers, ...) out of the text (they are still
+      listed, each at the offset where it would have been, taking no characters).
+    list_stop_token: list the stop token too, at the end of the text (OpenAI's echo layout, where every generated
+      token has a log-probability); by default it is neither shown nor listed.
 
   Attributes (after each ``add``): tokens (every generated id, the stop token included, cut after the token that
   completed a stop string), logprobs (one per token, when the engine computes them), finish_reason ("stop" |
@@ -48,10 +52,12 @@ class Reply:
   caller must ``Engine.cancel`` the request), text (the reply's text so far, None without a tokenizer).
   """
 
-  def __init__(self, tokenizer=None, stop: Sequence[str] = (), token_strings: TokenStrings | None = None):
+  def __init__(self, tokenizer=None, stop: Sequence[str] = (), token_strings: TokenStrings | None = None, *,
+               skip_special_tokens: bool = False, list_stop_token: bool = False):
     if stop and tokenizer is None:
       raise ValueError(f"stop strings {list(stop)!r} need a tokenizer")
-    self._text = IncrementalText(tokenizer, stop) if tokenizer is not None else None
+    self._tokenizer, self._skip, self._list_stop = tokenizer, skip_special_tokens, list_stop_token
+    self._text = IncrementalText(tokenizer, stop, skip_special_tokens) if tokenizer is not None else None
     self._strings = token_strings
     self._shown: list[int] = []  # ids whose text the reply shows (without a tokenizer: every non-stop-token id)
     self.tokens: list[int] = []
@@ -61,8 +67,7 @@ class Reply:
     self.finish_reason: str | None = None
     self.cancel = False
     self._listed = 0  # shown ids already listed in a piece
-    self._characters = 0  # characters of the text the listed ids account for
-    self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    self._offsets = None if token_strings is None else TextOffsets(token_strings, skip_special_tokens)
 
   @property
   def text(self) -> str | None:
@@ -94,31 +99,55 @@ class Reply:
       if self._text.stopped:
         del self.tokens[self._text.stop_index:]
         self.cancel = done is None
-      self._shown = self._text.ids[:self._text.stop_index]
+        self._shown = self._text.ids[:self._covering(self._text.ids[:self._text.stop_index])]
+      else:
+        self._shown = list(self._text.ids)
+    if self._list_stop and done is not None and done.finish_reason == "stop" and reason == "stop" and new \
+        and not (self._text is not None and self._text.stopped):
+      self._shown.append(new[-1])  # the stop token: listed at the end of the text, showing nothing
     self.finish_reason = reason
     # List the ids whose text is out (all of them once the reply ends); while some text is held back, its ids
     # wait for the piece that shows it.
     held = self._text is not None and self._text.released < len(self._text.text)
-    upto = len(self._shown) if reason is not None or not held else self._listed
+    upto = max(len(self._shown) if reason is not None or not held else self._listed, self._listed)
     start, self._listed = self._listed, upto
     return Piece(text=delta, finish_reason=reason, generated=len(self.tokens), ids=self._shown[start:upto],
                  logprobs=self.logprobs[start:upto] if update.logprobs is not None else None,
                  top=((self._top_ids[start:upto], self._top_logprobs[start:upto])
                       if update.top_logprobs is not None else None),
-                 offsets=None if self._strings is None else self._offsets(self._shown[start:upto]))
+                 offsets=None if self._offsets is None else self._offsets.add(self._shown[start:upto]))
 
-  def _offsets(self, ids: list[int]) -> list[int]:
-    """Where each id's first character starts in the reply's text, for ids listed in order: the index of the
-    character its first byte belongs to (a token inside a multi-byte character starts at that character)."""
+  def _covering(self, ids: list[int]) -> int:
+    """How many of ``ids`` (the ids up to the one that completed a stop string) it takes to spell the text the
+    reply keeps (the text before the stop string): the ids of the stop string itself are not listed."""
+    kept = len(self._text.text)
+    n = len(ids)
+    while n > 0 and len(self._tokenizer.decode(ids[:n - 1], skip_special_tokens=self._skip).rstrip("\ufffd")) >= kept:
+      n -= 1
+    return n
+
+
+class TextOffsets:
+  """Where each token's first character starts in a text the tokens spell, for tokens given in order (a few at a
+  time): the index of the character its first byte belongs to (a token inside a multi-byte character starts at
+  that character). ``skip_special_tokens``: special tokens take no characters (the text leaves them out)."""
+
+  def __init__(self, token_strings: TokenStrings, skip_special_tokens: bool = False):
+    self._strings, self._skip = token_strings, skip_special_tokens
+    self._characters = 0  # characters of the text the ids so far account for
+    self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+  def add(self, ids: Sequence[int]) -> list[int]:
     offsets = []
     for t in ids:
       raw = self._strings.bytes(t)
       pending = self._utf8.getstate()[0]  # the bytes so far of a character not yet complete
-      if raw is None:  # a token without bytes (a special token): held bytes end as U+FFFD(s) before it
+      if raw is None or self._strings.is_special(t):  # held bytes end as U+FFFD(s) before it
         self._characters += len(pending.decode("utf-8", "replace"))
         self._utf8.reset()
         offsets.append(self._characters)
-        self._characters += len(self._strings.text(t))
+        if not (self._skip and self._strings.is_special(t)):
+          self._characters += len(self._strings.text(t))
         continue
       start = self._characters
       if pending and not (raw and _continues(pending, raw[0])):

@@ -1,7 +1,9 @@
 """Checks on an HTTP completions / chat request at the server's edge, as pure functions of the request and the
 engine's limits (no sockets, no tokenizer, no engine): the body's size from its headers before it is read, the
 JSON body, and every field against what the engine can really run (int32 ranges, the vocabulary, the context
-length). Each refusal is a ``RequestError`` carrying the HTTP status and a one-line reason naming the field.
+length). Each refusal is a ``RequestError`` carrying the HTTP status, a one-line reason and the field it names
+(``param``), answered in OpenAI's error shape (``RequestError.body``). JSON ``null`` means "the default" for every
+optional field.
 
 ``m3jax.serving`` calls them in this order: ``body_length`` (headers) -> read the body -> ``decode_body`` ->
 ``parse_request`` (fields) -> render / tokenize the prompt -> ``check_prompt`` (ids, length, placeholders).
@@ -20,21 +22,40 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string: longer ones cannot end a reply any sooner than max_tokens would
 
+MAX_PROMPTS = 64  # prompts in one completions request (each is its own choice and its own engine request)
+MAX_CHOICES = 64  # prompts x n: the engine requests one HTTP request may queue
+
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"  # the tokenizer over HTTP (vLLM's routes; lm-eval's "remote")
 ROUTES = (COMPLETIONS, CHAT)
+POST_ROUTES = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE)
 
 # Request fields that would change the result, with the values that do not (anything else gets a 400).
-UNSUPPORTED = {"echo": (False,), "best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
+UNSUPPORTED = {"best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
                "tools": (None, []), "response_format": (None, {"type": "text"})}
+# Chat content parts that carry something other than text (refused: the server loads the model text only).
+_MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "video_url", "video", "file")
 
 
 class RequestError(ValueError):
-  """A request the server refuses, with the HTTP status (400 unless said) and the reason."""
+  """A request the server refuses, with the HTTP status (400 unless said), the reason, the request field it is
+  about (``param``, or None) and OpenAI's error ``code`` (a string such as "model_not_found", or None)."""
 
-  def __init__(self, message: str, status: int = 400):
+  def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
     super().__init__(message)
-    self.status = status
+    self.status, self.param, self.code = status, param, code
+
+  def body(self) -> dict[str, Any]:
+    """The error as OpenAI answers one: {"error": {"message", "type", "param", "code"}}."""
+    return error_body(str(self), self.status, self.param, self.code)
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+  """OpenAI's error object: type "invalid_request_error" for 4xx, "server_error" otherwise; ``code`` a string or
+  None (never the HTTP status: that is the response's)."""
+  kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+  return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +69,7 @@ class Limits:
     max_body_bytes: largest request body read (checked from Content-Length before reading).
     placeholder_ids: image / video placeholder token ids: a prompt holding one needs the image, which this
       server does not take (m3jax serve runs the text backbone).
+    model_name: the id the server serves; a request naming another ``model`` gets a 404 (None: any name).
   """
 
   vocab_size: int
@@ -55,6 +77,7 @@ class Limits:
   max_logprobs: int | None = None
   max_body_bytes: int = 1 << 20
   placeholder_ids: tuple[int, ...] = ()
+  model_name: str | None = None
 
 
 def default_body_limit(max_length: int) -> int:
@@ -65,9 +88,10 @@ def default_body_limit(max_length: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ParsedRequest:
-  """The fields of a checked request. Exactly one of ``text`` (completions text), ``messages`` (chat, for the
-  chat template) and ``prompt_ids`` (completions ids) is set. ``sampling`` holds Engine.submit's temperature /
-  top_k / top_p / seed as given (top_k -1 already mapped to 0)."""
+  """The fields of a checked request. Exactly one of ``prompts`` (completions: each a text or a tuple of token
+  ids, each its own choice) and ``messages`` (chat, for the chat template) is set. ``sampling`` holds
+  Engine.submit's temperature / top_k / top_p / seed as given (top_k -1 already mapped to 0). ``max_tokens`` is
+  0 only with ``echo`` (the prompt alone, scored)."""
 
   chat: bool
   max_tokens: int
@@ -75,9 +99,12 @@ class ParsedRequest:
   stop: tuple[str, ...] = ()
   logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
   stream: bool = False
-  text: str | None = None
+  prompts: tuple[str | tuple[int, ...], ...] | None = None
   messages: tuple[dict[str, str], ...] | None = None
-  prompt_ids: tuple[int, ...] | None = None
+  echo: bool = False  # completions: the reply starts with the prompt (its text, and its tokens' log-probabilities)
+  include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
+  skip_special_tokens: bool = True  # special tokens (<bos>, image markers, ...) are left out of reply text
+  n: int = 1  # choices per prompt (choice i * n + j is prompt i's j-th)
 
 
 def body_length(headers: Mapping[str, str], limit: int) -> int:
@@ -143,22 +170,22 @@ def parse_sampling(body: Mapping[str, Any]) -> dict[str, Any]:
   temperature = body.get("temperature")
   if temperature is not None:
     if not is_number(temperature) or not 0 <= temperature <= FLOAT32_MAX:
-      raise RequestError(f"temperature must be a finite number >= 0, got {_show(temperature)}")
+      raise RequestError(f"temperature must be a finite number >= 0, got {_show(temperature)}", param="temperature")
     sampling["temperature"] = float(temperature)
   top_p = body.get("top_p")
   if top_p is not None:
     if not is_number(top_p) or not 0 < top_p <= 1:
-      raise RequestError(f"top_p must be a number in (0, 1], got {_show(top_p)}")
+      raise RequestError(f"top_p must be a number in (0, 1], got {_show(top_p)}", param="top_p")
     sampling["top_p"] = float(top_p)
   top_k = body.get("top_k")
   if top_k is not None:
     if not is_int(top_k) or not -1 <= top_k <= INT32_MAX:
-      raise RequestError(f"top_k must be an integer in [-1, {INT32_MAX}] (-1 or 0: no cut), got {_show(top_k)}")
+      raise RequestError(f"top_k must be an integer in [-1, {INT32_MAX}] (-1 or 0: no cut), got {_show(top_k)}", param="top_k")
     sampling["top_k"] = max(int(top_k), 0)
   seed = body.get("seed")
   if seed is not None:
     if not is_int(seed) or not 0 <= seed <= INT32_MAX:
-      raise RequestError(f"seed must be an integer in [0, {INT32_MAX}], got {_show(seed)}")
+      raise RequestError(f"seed must be an integer in [0, {INT32_MAX}], got {_show(seed)}", param="seed")
     sampling["seed"] = int(seed)
   return sampling
 
@@ -168,21 +195,22 @@ def parse_logprobs(body: Mapping[str, Any], chat: bool, limits: Limits) -> int |
   if chat:
     want, k = body.get("logprobs"), body.get("top_logprobs")
     if want not in (None, False, True):
-      raise RequestError(f"logprobs must be true or false, got {_show(want)}")
+      raise RequestError(f"logprobs must be true or false, got {_show(want)}", param="logprobs")
     if k is not None and not want:
-      raise RequestError("top_logprobs needs logprobs: true")
+      raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     k = (k or 0) if want else None
   else:
     k = body.get("logprobs")
   if k is None:
     return None
+  name = "top_logprobs" if chat else "logprobs"
   if not is_int(k) or k < 0:
-    raise RequestError(f"{'top_logprobs' if chat else 'logprobs'} must be a non-negative integer, got {_show(k)}")
+    raise RequestError(f"{name} must be a non-negative integer, got {_show(k)}", param=name)
   if limits.max_logprobs is None:
-    raise RequestError("log-probabilities are off on this server (m3jax serve --max-logprobs -1)")
+    raise RequestError("log-probabilities are off on this server (m3jax serve --max-logprobs -1)", param=name)
   if k > limits.max_logprobs:
     raise RequestError(f"at most {limits.max_logprobs} log-probabilities per token on this server "
-                       f"(m3jax serve --max-logprobs), got {k}")
+                       f"(m3jax serve --max-logprobs), got {k}", param=name)
   return int(k)
 
 
@@ -191,62 +219,138 @@ def parse_stop(value: Any) -> tuple[str, ...]:
   as OpenAI accepts it)."""
   stop = [] if value is None else [value] if isinstance(value, str) else value
   if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS or not all(isinstance(x, str) for x in stop):
-    raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, got {_show(value)}")
+    raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings, got {_show(value)}", param="stop")
   long = [x for x in stop if len(x) > MAX_STOP_CHARS]
   if long:
-    raise RequestError(f"stop strings may hold at most {MAX_STOP_CHARS} characters, got one of {len(long[0])}")
+    raise RequestError(f"stop strings may hold at most {MAX_STOP_CHARS} characters, got one of {len(long[0])}", param="stop")
   return tuple(x for x in stop if x)
 
 
+def parse_content(i: int, content: Any) -> str:
+  """A message's content: a string, or a list of text parts ``{"type": "text", "text": str}`` (joined with
+  newlines, as vLLM does). Image / audio / file parts are refused: this server loads the model text only."""
+  if isinstance(content, str):
+    return content
+  if not isinstance(content, list) or not content:
+    raise RequestError(f"message {i}: content must be a string or a non-empty list of text parts, got "
+                       f"{_show(content)}", param=f"messages.[{i}].content")
+  texts = []
+  for j, part in enumerate(content):
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in _MEDIA_PARTS:
+      raise RequestError(f"message {i}, content part {j}: {kind} parts are not supported (this server loads the "
+                         "model text only; send text parts)", param=f"messages.[{i}].content.[{j}]")
+    if kind != "text" or not isinstance(part.get("text"), str):
+      raise RequestError(f'message {i}, content part {j}: expected {{"type": "text", "text": str}}, got '
+                         f"{_show(part)}", param=f"messages.[{i}].content.[{j}]")
+    texts.append(part["text"])
+  return "\n".join(texts)
+
+
 def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
-  """chat messages: a non-empty list of {"role": str, "content": str} (other keys dropped)."""
+  """chat messages: a non-empty list of {"role": str, "content": str or text parts} (other keys dropped)."""
   if not isinstance(value, list) or not value:
-    raise RequestError('"messages" must be a non-empty list of {"role", "content"} objects')
+    raise RequestError('"messages" must be a non-empty list of {"role", "content"} objects', param="messages")
   for i, m in enumerate(value):
-    if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
-      raise RequestError(f"message {i}: each message needs a string role and string content, got {_show(m)}")
-  return tuple({"role": m["role"], "content": m["content"]} for m in value)
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+      raise RequestError(f"message {i}: each message needs a string role and string content (or a list of text "
+                         f"parts), got {_show(m)}", param=f"messages.[{i}]")
+  return tuple({"role": m["role"], "content": parse_content(i, m["content"])} for i, m in enumerate(value))
+
+
+def parse_prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+  """completions prompt: a non-empty string, a non-empty list of token ids, or a non-empty list of either (at most
+  MAX_PROMPTS) -> the prompts, each a string or a tuple of ids."""
+  def one(p: Any) -> str | tuple[int, ...] | None:
+    if isinstance(p, str) and p:
+      return p
+    if isinstance(p, list) and p and all(is_int(t) for t in p):
+      return tuple(int(t) for t in p)
+    return None
+
+  single = one(value)
+  if single is not None:
+    return (single,)
+  if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+    if len(value) > MAX_PROMPTS:
+      raise RequestError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}", param="prompt")
+    prompts = tuple(one(p) for p in value)
+    bad = [i for i, p in enumerate(prompts) if p is None]
+    if not bad:
+      return prompts
+    raise RequestError(f'prompt {bad[0]} must be a non-empty string or list of token ids, got {_show(value[bad[0]])}',
+                       param="prompt")
+  raise RequestError('"prompt" must be a non-empty string, a list of token ids, or a list of such prompts',
+                     param="prompt")
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+  """An optional boolean field (null: the default)."""
+  value = body.get(name)
+  if value is None:
+    return default
+  if value not in (False, True) or not isinstance(value, bool):
+    raise RequestError(f"{name} must be true or false, got {_show(value)}", param=name)
+  return value
+
+
+def check_model(body: Mapping[str, Any], limits: Limits) -> None:
+  """``model``: absent / null, or the id the server serves (404 "model_not_found" otherwise, as OpenAI answers)."""
+  model = body.get("model")
+  if model is None or limits.model_name is None:
+    return
+  if model != limits.model_name:
+    raise RequestError(f"The model {_show(model)} does not exist: this server serves {limits.model_name!r} "
+                       "(GET /v1/models)", 404, param="model", code="model_not_found")
 
 
 def parse_request(path: str, body: Any, limits: Limits) -> ParsedRequest:
-  """A completions / chat body -> ParsedRequest; RequestError (400) naming the first field that is wrong."""
+  """A completions / chat body -> ParsedRequest; RequestError (400; 404 for an unknown model) naming the first
+  field that is wrong. JSON null means the default for every optional field."""
   if path not in ROUTES:
-    raise RequestError(f"no route {path[:80]}", 404)
+    raise RequestError(f"no route {path[:80]}", 404, code="not_found")
   if not isinstance(body, dict):
     raise RequestError("the body must be a JSON object")
+  check_model(body, limits)
   chat = path == CHAT
   sampling = parse_sampling(body)
+  echo = _flag(body, "echo", False)
+  if chat and echo:
+    raise RequestError("echo=True is not supported for chat completions (only for /v1/completions)", param="echo")
   max_tokens = body.get("max_tokens")
   if max_tokens is None:
     max_tokens = body.get("max_completion_tokens")
   if max_tokens is None:
     max_tokens = min(256 if chat else 16, limits.max_length - 1)  # OpenAI's defaults, within the engine's length
-  if not is_int(max_tokens) or max_tokens < 1:
-    raise RequestError(f"max_tokens must be a positive integer, got {_show(max_tokens)}")
+  if not is_int(max_tokens) or max_tokens < (0 if echo else 1):
+    raise RequestError(f"max_tokens must be a {'non-negative' if echo else 'positive'} integer, got "
+                       f"{_show(max_tokens)}{'' if echo else ' (0 only with echo: true)'}", param="max_tokens")
   if max_tokens >= limits.max_length:
     raise RequestError(f"max_tokens ({max_tokens}) + a prompt of at least one token exceeds the engine's "
-                       f"max_length ({limits.max_length})")
+                       f"max_length ({limits.max_length})", param="max_tokens")
   n = body.get("n")
-  if n is not None and (not is_int(n) or n != 1):
-    raise RequestError(f"n > 1 is not supported (one completion per request; n must be 1), got {_show(n)}")
+  n = 1 if n is None else n
+  if not is_int(n) or not 1 <= n <= MAX_CHOICES:
+    raise RequestError(f"n must be an integer in [1, {MAX_CHOICES}], got {_show(n)}", param="n")
   for name, harmless in UNSUPPORTED.items():
     if name in body and not any(_same(body[name], h) for h in harmless):
-      raise RequestError(f"{name}={_show(body[name])} is not supported by this server (it would be ignored)")
-  stream = body.get("stream", False)
-  if stream not in (None, False, True):
-    raise RequestError(f"stream must be true or false, got {_show(stream)}")
-  common = dict(chat=chat, max_tokens=int(max_tokens), sampling=sampling, stop=parse_stop(body.get("stop")),
-                logprobs=parse_logprobs(body, chat, limits), stream=bool(stream))
+      raise RequestError(f"{name}={_show(body[name])} is not supported by this server (it would be ignored)",
+                         param=name)
+  stream = _flag(body, "stream", False)
+  options = body.get("stream_options")
+  if options is not None and (not isinstance(options, dict) or not stream):
+    raise RequestError("stream_options must be an object, and only with stream: true"
+                       f", got {_show(options)}", param="stream_options")
+  include_usage = _flag(options or {}, "include_usage", False)
+  common = dict(chat=chat, max_tokens=int(max_tokens), sampling=sampling, stop=parse_stop(body.get("stop")), n=int(n),
+                logprobs=parse_logprobs(body, chat, limits), stream=stream, echo=echo, include_usage=include_usage,
+                skip_special_tokens=_flag(body, "skip_special_tokens", True))
   if chat:
     return ParsedRequest(messages=parse_messages(body.get("messages")), **common)
-  prompt = body.get("prompt")
-  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-    prompt = prompt[0]  # a batch of one prompt
-  if isinstance(prompt, str) and prompt:
-    return ParsedRequest(text=prompt, **common)
-  if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-    return ParsedRequest(prompt_ids=tuple(int(t) for t in prompt), **common)
-  raise RequestError('"prompt" must be a non-empty string or list of token ids (one prompt per request)')
+  prompts = parse_prompts(body.get("prompt"))
+  if len(prompts) * n > MAX_CHOICES:
+    raise RequestError(f"{len(prompts)} prompts x n={n} choices: at most {MAX_CHOICES} per request", param="n")
+  return ParsedRequest(prompts=prompts, **common)
 
 
 def _same(value: Any, harmless: Any) -> bool:
@@ -274,3 +378,26 @@ def check_prompt(ids: tuple[int, ...] | list[int], max_tokens: int, limits: Limi
   if len(ids) + max_tokens > limits.max_length:
     raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's max_length "
                        f"({limits.max_length})")
+
+
+def parse_tokenize(body: Any) -> tuple[str, bool]:
+  """POST /tokenize: {"prompt": str, "add_special_tokens": bool (default false)} -> (text, add_special_tokens)."""
+  if not isinstance(body, dict):
+    raise RequestError("the body must be a JSON object")
+  prompt = body.get("prompt")
+  if not isinstance(prompt, str):
+    raise RequestError(f'"prompt" must be a string, got {_show(prompt)}', param="prompt")
+  return prompt, _flag(body, "add_special_tokens", False)
+
+
+def parse_detokenize(body: Any, limits: Limits) -> tuple[int, ...]:
+  """POST /detokenize: {"tokens": [ids]} -> the ids (each in the vocabulary)."""
+  if not isinstance(body, dict):
+    raise RequestError("the body must be a JSON object")
+  tokens = body.get("tokens")
+  if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+    raise RequestError(f'"tokens" must be a list of token ids, got {_show(tokens)}', param="tokens")
+  bad = [t for t in tokens if not 0 <= t < limits.vocab_size]
+  if bad:
+    raise RequestError(f"token ids outside [0, {limits.vocab_size}): {_show(bad[:8])}", param="tokens")
+  return tuple(int(t) for t in tokens)

@@ -1,50 +1,68 @@
-"""An OpenAI-compatible HTTP server over the continuous-batching engine (``m3jax serve``).
+"""An OpenAI-compatible server over the continuous-batching engine (``m3jax serve``): ``Server``, the requests'
+side (validation, the engine's worker thread, replies, echo scoring, metrics); m3jax.serving_http answers HTTP
+with it (``serve``, ``bind``, ``attach``).
 
-Endpoints: ``POST /v1/completions`` (``prompt``: text or token ids), ``POST /v1/chat/completions`` (``messages``,
-rendered with the checkpoint's chat template), ``GET /v1/models``, ``GET /health``. ``stream: true`` sends
-server-sent events, one per decode call that gives the request new text, then ``data: [DONE]``. ``stop`` (a string
-or a list of them) ends the text before the first stop string, with finish_reason "stop", and frees the request's
-slot at once; so does a streaming client that hangs up.
+Endpoints: ``POST /v1/completions`` (``prompt``: a text, token ids, or a list of either, each its own choice),
+``POST /v1/chat/completions`` (``messages``, rendered with the checkpoint's chat template; contents as strings or
+text parts), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, m3jax.metrics), and the
+tokenizer: ``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's routes, what lm-eval's
+``tokenizer_backend=remote`` reads). ``stream: true`` sends server-sent events, one per decode call that gives a
+choice new text, then ``data: [DONE]`` (with ``stream_options.include_usage`` a last chunk with the usage and no
+choices before it). ``stop`` (a string or a list of them) ends the text before the first stop string, with
+finish_reason "stop", and frees the request's slot at once; so does a streaming client that hangs up.
 
-One worker thread owns the ``Engine`` (the model's only user); HTTP threads validate a request
-(m3jax.request_validation: the body's size from its headers before it is read, then every field against the
-engine's limits, then the tokenized prompt), submit it, and wait on their own queue for its tokens. Faults stay
-local: a request whose serving fails gets a 500 (or an error event when streamed) and frees its slot while the
-engine goes on; ``/health`` answers 503 once the engine cannot serve. A client that hangs up, streaming or not,
-cancels its request at the engine's next step. Each request samples with its own temperature / top_k / top_p / seed (the
-server's start values by default); its tokens do not depend on the other requests (m3jax.engine). Fields that
-would change the result but are not implemented (penalties, logit_bias, ...) get a 400 naming them. Streamed text
-never shows a partial character (m3jax.detokenize). Log-probabilities (completions ``logprobs: k``, chat
-``logprobs: true`` + ``top_logprobs: k``) are of the raw logits, for the tokens whose text the reply shows, up to
-the engine's ``top_logprobs`` alternatives per token (``m3jax serve --max-logprobs``).
+Completions ``echo: true`` starts each choice with its prompt: the prompt's text, and with ``logprobs: k`` its
+tokens, their log-probabilities (null for the first, which has nothing to condition on) and top-k, scored in one
+forward (m3jax.scoring.token_logprobs, the numbers ``score_continuations`` gives); ``max_tokens: 0`` then returns
+the prompt alone. With echo every generated token is listed, the stop token too (OpenAI's legacy layout, which
+lm-eval's loglikelihood reads as prompt + one generated token).
+
+One worker thread owns the ``Engine``; HTTP threads validate a request (m3jax.request_validation: the body's size
+from its headers before it is read, then every field against the engine's limits, then the tokenized prompts),
+submit it (one engine request per choice: n per prompt), and wait on their own queue for its tokens. Echo scoring runs on the
+HTTP thread, one request at a time. Faults stay local: a request whose serving fails gets a 500 (or an error event
+when streamed) and frees its slots while the engine goes on; ``/health`` answers 503 once the engine cannot serve.
+A client that hangs up, streaming or not, cancels its request at the engine's next step. Each request samples with
+its own temperature / top_k / top_p / seed (the server's start values by default); its tokens do not depend on the
+other requests (m3jax.engine). Fields that would change the result but are not implemented (penalties,
+logit_bias, ...) get a 400 naming them; errors use OpenAI's shape ({"error": {"message", "type", "param",
+"code"}}), and a ``model`` other than the served one gets a 404 ("model_not_found"). Streamed text never shows a
+partial character (m3jax.detokenize); special tokens are left out of reply text unless ``skip_special_tokens:
+false``. Log-probabilities (completions ``logprobs: k``, chat ``logprobs: true`` + ``top_logprobs: k``) are of the
+raw logits, for the tokens whose text the reply shows (not a stop string's), up to the engine's ``top_logprobs``
+alternatives per token (``m3jax serve --max-logprobs``); completions name tokens by their text, or ``bytes:\\xNN``
+when they hold part of a character, so that distinct tokens never share a key. Every request is logged (logger
+``m3jax.serving``: method, path, status, prompt / completion tokens, latency).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import itertools
 import json
+import os
 import queue
-import select
-import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from m3jax import tokenizer as tok_lib
 from m3jax.config import M3Config
 from m3jax.detokenize import TokenStrings
 from m3jax.engine import Engine, Update
-from m3jax.reply import Piece, Reply
-from m3jax.request_validation import (CHAT, ROUTES, Limits, ParsedRequest, RequestError, body_length, check_prompt,
-                                      decode_body, default_body_limit, parse_request)
+from m3jax.metrics import ServerMetrics
+from m3jax.reply import Piece, Reply, TextOffsets
+from m3jax.request_validation import (Limits, ParsedRequest, RequestError, check_prompt, default_body_limit,
+                                      parse_request)
 
-__all__ = ["Request", "RequestError", "Server", "attach", "bind", "make_handler", "serve"]
+__all__ = ["ClientGone", "Echo", "GenerationFailed", "Request", "RequestError", "Server"]
 
 _POLL_S = 0.05  # how often a request waiting for its first tokens checks whether its client is still there
-_SOCKET_TIMEOUT_S = 60.0  # a client that stops sending mid-request (or idles on a kept-alive connection)
+# Echo scoring computes logits over every prompt token: at most this many tokens of them per forward (rows x chunk
+# width), each prompt in chunks of the engine's prefill_chunk or _SCORE_CHUNK tokens (a power of two, as
+# generate's prefill_chunk; shorter prompts run whole).
+_SCORE_TOKENS = 4096
+_SCORE_CHUNK = 1024
 
 
 class GenerationFailed(RuntimeError):
@@ -57,15 +75,41 @@ class ClientGone(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """A checked completions / chat request: prompt ids, max_tokens, sampling (Engine.submit's temperature / top_k /
-  top_p / seed, as given) and stop strings."""
+  """A checked completions / chat request: its prompts' ids (one per choice), max_tokens, sampling (Engine.submit's
+  temperature / top_k / top_p / seed, as given), stop strings and the reply's options."""
 
-  prompt_ids: list[int]
+  prompts: tuple[tuple[int, ...], ...]
   max_tokens: int
   sampling: dict[str, Any]
   stop: tuple[str, ...] = ()
   logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
   stream: bool = False
+  echo: bool = False
+  include_usage: bool = False
+  skip_special_tokens: bool = True
+  n: int = 1  # choices per prompt: choice c is prompt c // n's (c % n)-th
+
+  @property
+  def prompt_tokens(self) -> int:
+    """The prompts' tokens, each counted once however many choices it has (as OpenAI counts them)."""
+    return sum(len(p) for p in self.prompts)
+
+  @property
+  def choices(self) -> int:
+    return len(self.prompts) * self.n
+
+
+@dataclasses.dataclass(frozen=True)
+class Echo:
+  """A prompt as an echoing choice starts: its text and tokens, and with log-probabilities each token's (None for
+  the first) and its top alternatives [(id, logprob), ...] (None for the first), and each token's character
+  offset in the text."""
+
+  text: str
+  ids: list[int]
+  offsets: list[int]
+  logprobs: list[float | None] | None = None
+  top: list[list[tuple[int, float]] | None] | None = None
 
 
 class Server:
@@ -74,7 +118,7 @@ class Server:
   Args:
     engine: the Engine to run (its slots, max_length and sampling serve every request).
     checkpoint: the checkpoint directory (tokenizer.json, chat template, generation_config.json, config.json).
-    model_name: what ``/v1/models`` and responses report.
+    model_name: what ``/v1/models`` and responses report; a request naming another model gets a 404.
     max_body_bytes: the largest request body read (default: request_validation.default_body_limit).
   """
 
@@ -87,10 +131,13 @@ class Server:
                          max_logprobs=engine.top_logprobs if engine.logprobs else None,
                          max_body_bytes=default_body_limit(engine.max_length) if max_body_bytes is None
                          else max_body_bytes,
-                         placeholder_ids=_placeholder_ids(checkpoint, engine))
+                         placeholder_ids=_placeholder_ids(checkpoint, engine), model_name=model_name)
+    self.metrics = ServerMetrics()
+    self.tokenizer_info = _tokenizer_info(checkpoint, self.token_strings, engine)
     self._ids = itertools.count()
     self._pending: dict[int, queue.Queue] = {}  # request id -> where its updates go
     self._lock = threading.Condition()
+    self._scoring = threading.Lock()  # echo scoring: one forward at a time beside the engine's
     self._stopping = False
     self.failure: str | None = None  # why the server cannot serve any more (None while it can)
     self._worker = threading.Thread(target=self._work, name="m3jax-engine", daemon=True)
@@ -111,6 +158,20 @@ class Server:
     if not self._worker.is_alive() and not self._stopping:
       return "the engine's worker thread has stopped"
     return None
+
+  def next_id(self) -> int:
+    """A fresh request id (what a reply that queued no engine request is named after)."""
+    return next(self._ids)
+
+  def model_card(self) -> dict[str, Any]:
+    """The served model as /v1/models lists it."""
+    return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "m3jax",
+            "max_model_len": self.engine.max_length}
+
+  def engine_stats(self) -> dict[str, Any]:
+    """The engine's live counts for /metrics (``Engine.serving_stats``; {} for an engine without it)."""
+    stats = getattr(self.engine, "serving_stats", None)
+    return dict(stats()) if callable(stats) else {}
 
   def _work(self) -> None:
     while True:
@@ -149,38 +210,59 @@ class Server:
     return self.prepare(parse_request(path, body, self.limits))
 
   def prepare(self, parsed: ParsedRequest) -> Request:
-    """A request whose fields are checked -> its prompt ids (the chat template rendered, the text tokenized),
-    checked against the engine (vocabulary, placeholders, length)."""
+    """A request whose fields are checked -> its prompts' ids (the chat template rendered, the texts tokenized),
+    each checked against the engine (vocabulary, placeholders, length)."""
     if parsed.messages is not None:
       try:
         text = tok_lib.render_messages(self.checkpoint, [dict(m) for m in parsed.messages])
       except ValueError as e:  # ChatTemplateError: the template refused the messages (raise_exception) or failed
-        raise RequestError(str(e)) from None
-      ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-    elif parsed.text is not None:
-      ids = self.tokenizer.encode(parsed.text, add_special_tokens=False).ids
+        raise RequestError(str(e), param="messages") from None
+      prompts = [self.tokenizer.encode(text, add_special_tokens=False).ids]
     else:
-      ids = list(parsed.prompt_ids)
-    check_prompt(ids, parsed.max_tokens, self.limits)
-    return Request(ids, parsed.max_tokens, dict(parsed.sampling), parsed.stop, parsed.logprobs, parsed.stream)
+      prompts = [self.tokenizer.encode(p, add_special_tokens=False).ids if isinstance(p, str) else list(p)
+                 for p in parsed.prompts]
+    for i, ids in enumerate(prompts):
+      try:
+        check_prompt(ids, parsed.max_tokens, self.limits)
+      except RequestError as e:
+        if len(prompts) == 1:
+          raise
+        raise RequestError(f"prompt {i}: {e}", e.status, param="prompt") from None
+    return Request(tuple(tuple(p) for p in prompts), parsed.max_tokens, dict(parsed.sampling), parsed.stop,
+                   parsed.logprobs, parsed.stream, parsed.echo, parsed.include_usage, parsed.skip_special_tokens,
+                   parsed.n)
 
-  def submit(self, request: Request) -> tuple[int, queue.Queue]:
-    """Queues a request -> (its id, the queue its ``Update``s arrive on; a GenerationFailed there if the engine
-    stopped). RequestError 503 when the engine cannot serve, 400 when it refuses the request."""
-    request_id = next(self._ids)
+  def submit(self, request: Request) -> tuple[list[int], queue.Queue]:
+    """Queues one engine request per choice (n per prompt; none with max_tokens 0) -> (their ids, in choice order;
+    the queue their ``Update``s arrive on; a GenerationFailed there if the engine stopped). A prompt's j-th choice
+    samples with the request's seed + j (or, without a seed, the engine's own seed per request). RequestError 503
+    when the engine cannot serve, 400 when it refuses a prompt (then none of the request's choices is left
+    queued)."""
     updates: queue.Queue = queue.Queue()
+    ids: list[int] = []
     with self._lock:
       failure = self.health()
       if failure is not None:
         raise RequestError(f"the server cannot serve: {failure}", 503)
-      try:
-        self.engine.submit(request.prompt_ids, max_new_tokens=request.max_tokens, request_id=request_id,
-                           **request.sampling)
-      except ValueError as e:
-        raise RequestError(str(e).replace(f"request {request_id!r}: ", "")) from None
-      self._pending[request_id] = updates
+      if request.max_tokens == 0:
+        return ids, updates
+      for choice in range(request.choices):
+        prompt, j = request.prompts[choice // request.n], choice % request.n
+        sampling = dict(request.sampling)
+        if "seed" in sampling:
+          sampling["seed"] = (sampling["seed"] + j) % 2**31
+        request_id = next(self._ids)
+        try:
+          self.engine.submit(prompt, max_new_tokens=request.max_tokens, request_id=request_id, **sampling)
+        except ValueError as e:
+          for queued in ids:
+            self._pending.pop(queued, None)
+            self.engine.cancel(queued)
+          raise RequestError(str(e).replace(f"request {request_id!r}: ", "")) from None
+        self._pending[request_id] = updates
+        ids.append(request_id)
       self._lock.notify_all()
-    return request_id, updates
+    return ids, updates
 
   def cancel(self, request_id: int) -> None:
     """Frees a request's slot (its stop string came, or its client left); its queue gets no more updates."""
@@ -188,21 +270,26 @@ class Server:
       self._pending.pop(request_id, None)
     self.engine.cancel(request_id)
 
-  def follow(self, request_id: int, updates: queue.Queue, stop: tuple[str, ...] = (),
-             client_gone: Callable[[], bool] | None = None) -> Iterator[Piece]:
-    """A submitted request's reply as it comes, one Piece per update (m3jax.reply): the stop token is not shown
-    (nor listed); a stop string ends the text before it (finish_reason "stop"; tokens counted and listed up to the
-    one that completed it) and cancels the rest of the request.
+  def follow(self, request_ids: Sequence[int] | int, updates: queue.Queue, stop: tuple[str, ...] = (),
+             client_gone: Callable[[], bool] | None = None, *, skip_special_tokens: bool = True,
+             list_stop_token: bool = False) -> Iterator[tuple[int, Piece]]:
+    """Submitted requests' replies as they come: (the request's index in ``request_ids``, a Piece) per update
+    (m3jax.reply): the stop token is not shown (nor listed, unless ``list_stop_token``); a stop string ends the
+    text before it (finish_reason "stop"; tokens counted up to the one that completed it, listed up to those that
+    spell the text kept) and cancels the rest of the request.
 
-    Raises GenerationFailed when serving the request failed, and ClientGone when ``client_gone()`` (asked at each
-    update, and every few tens of milliseconds while the request waits) says its client left. However the
-    iteration ends before the reply does (an exception here or in the caller, or ``close()``), the request is
-    cancelled, so its slot is freed at the engine's next step.
+    Raises GenerationFailed when serving a request failed, and ClientGone when ``client_gone()`` (asked at each
+    update, and every few tens of milliseconds while the requests wait) says its client left. However the
+    iteration ends before the replies do (an exception here or in the caller, or ``close()``), the unfinished
+    requests are cancelled, so their slots are freed at the engine's next step.
     """
-    reply = Reply(self.tokenizer, stop, self.token_strings)
-    finished = False
+    request_ids = [request_ids] if isinstance(request_ids, int) else list(request_ids)
+    index = {r: i for i, r in enumerate(request_ids)}
+    replies = {r: Reply(self.tokenizer, stop, self.token_strings, skip_special_tokens=skip_special_tokens,
+                        list_stop_token=list_stop_token) for r in request_ids}
+    unfinished = set(request_ids)
     try:
-      while True:
+      while unfinished:
         try:
           update = updates.get(timeout=None if client_gone is None else _POLL_S)
         except queue.Empty:
@@ -210,27 +297,76 @@ class Server:
             raise ClientGone() from None
           continue
         if isinstance(update, Exception):
-          finished = True
           raise update
+        if update.request_id not in unfinished:
+          continue  # a request a stop string finished: the engine confirming its cancel
         if update.completion is not None and update.completion.finish_reason == "error":
-          finished = True
+          unfinished.discard(update.request_id)
           raise GenerationFailed(update.completion.error or "unknown error")
         if client_gone is not None and client_gone():
           raise ClientGone()
+        reply = replies[update.request_id]
         piece = reply.add(update)
         if reply.cancel:
-          self.cancel(request_id)
-        finished = piece.finish_reason is not None
-        yield piece
-        if finished:
-          return
+          self.cancel(update.request_id)
+        if piece.finish_reason is not None:
+          unfinished.discard(update.request_id)
+        yield index[update.request_id], piece
     finally:
-      if not finished:
-        self.cancel(request_id)
+      for r in unfinished:
+        self.cancel(r)
 
-  def logprobs_json(self, piece: Piece, k: int, chat: bool) -> dict[str, Any]:
+  def echo(self, request: Request) -> list[Echo]:
+    """Each prompt as its choices start with ``echo``: text, tokens and offsets, and with ``logprobs`` each
+    token's log-probability and top alternatives (``token_logprobs``: the prompts scored a few rows at a time,
+    ``_SCORE_TOKENS`` tokens of logits per forward, in chunks of the engine's prefill_chunk or ``_SCORE_CHUNK``)."""
+    from m3jax.generate import bucket_length  # pylint: disable=g-import-not-at-top
+    from m3jax.scoring import token_logprobs  # pylint: disable=g-import-not-at-top
+
+    skip = request.skip_special_tokens
+    echoes = [Echo(text=self.tokenizer.decode(list(ids), skip_special_tokens=skip), ids=list(ids),
+                   offsets=TextOffsets(self.token_strings, skip).add(ids)) for ids in request.prompts]
+    if request.logprobs is None:
+      return echoes
+    k = request.logprobs
+    chunk = self.engine.prefill_chunk or _SCORE_CHUNK
+    width = min(bucket_length(max(len(p) for p in request.prompts)), chunk)
+    rows = max(1, _SCORE_TOKENS // width)
+    out = []
+    for first in range(0, len(echoes), rows):
+      group = echoes[first:first + rows]
+      with self._scoring:
+        scored = token_logprobs(self.engine.model, [e.ids for e in group], top_k=k, prefill_chunk=chunk)
+      for b, e in enumerate(group):
+        n = len(e.ids)
+        lps = [None] + scored.logprobs[b, 1:n].tolist()
+        top = [None] + ([list(zip(scored.top_ids[b, t].tolist(), scored.top_logprobs[b, t].tolist()))
+                         for t in range(1, n)] if k else [[] for _ in range(1, n)])
+        out.append(dataclasses.replace(e, logprobs=lps, top=top))
+    return out
+
+  def top_dict(self, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """Top alternatives -> OpenAI's completions dict, keyed by ``TokenStrings.key`` (a second token with the same
+    key, e.g. a special token spelled like a plain one, is keyed ``token_id:N``): no entry is lost."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+      key = self.token_strings.key(token)
+      out["token_id:%d" % token if key in out else key] = logprob
+    return out
+
+  def completion_logprobs(self, ids: Sequence[int], logprobs: Sequence[float | None],
+                          top: Sequence[Sequence[tuple[int, float]] | None] | None, offsets: Sequence[int], k: int
+                          ) -> dict[str, Any]:
+    """Tokens in OpenAI's completions logprobs layout (tokens / token_logprobs / top_logprobs / text_offset)."""
+    tops = None
+    if k:
+      tops = [None if t is None else self.top_dict(list(t)[:k]) for t in (top or [[] for _ in ids])]
+    return {"tokens": [self.token_strings.key(t) for t in ids], "token_logprobs": list(logprobs),
+            "top_logprobs": tops, "text_offset": list(offsets)}
+
+  def logprobs_json(self, piece: Piece, k: int, chat: bool, offset: int = 0) -> dict[str, Any]:
     """A piece's tokens in OpenAI's logprobs layout (chat: {"content": [...]}; completions: tokens /
-    token_logprobs / top_logprobs / text_offset)."""
+    token_logprobs / top_logprobs / text_offset, the offsets shifted by ``offset`` characters)."""
     names = self.token_strings
     tops = [list(zip(ids[:k], lps[:k])) for ids, lps in zip(*piece.top)] if piece.top else [[] for _ in piece.ids]
     if chat:
@@ -238,9 +374,7 @@ class Server:
                            "top_logprobs": [{"token": names.text(a), "logprob": b, "bytes": names.bytes(a)}
                                             for a, b in top]}
                           for t, lp, top in zip(piece.ids, piece.logprobs, tops)]}
-    return {"tokens": [names.text(t) for t in piece.ids], "token_logprobs": piece.logprobs,
-            "top_logprobs": [{names.text(a): b for a, b in top} for top in tops] if k else None,
-            "text_offset": piece.offsets}
+    return self.completion_logprobs(piece.ids, piece.logprobs, tops, [offset + o for o in piece.offsets], k)
 
 
 def _placeholder_ids(checkpoint: str, engine: Engine) -> tuple[int, ...]:
@@ -254,195 +388,25 @@ def _placeholder_ids(checkpoint: str, engine: Engine) -> tuple[int, ...]:
     return ()
 
 
-def make_handler(server: Server):
-  """The HTTP request handler class bound to ``server``."""
-
-  class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = _SOCKET_TIMEOUT_S
-
-    def log_message(self, format, *args):  # pylint: disable=redefined-builtin
-      del format, args  # quiet; the CLI reports per request on stderr
-
-    def _json(self, status: int, payload: dict[str, Any]) -> None:
-      data = json.dumps(payload).encode()
-      self.send_response(status)
-      self.send_header("Content-Type", "application/json")
-      self.send_header("Content-Length", str(len(data)))
-      if self.close_connection:
-        self.send_header("Connection", "close")
-      self.end_headers()
-      self.wfile.write(data)
-
-    def _error(self, status: int, message: str) -> None:
-      kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
-      self._json(status, {"error": {"message": message, "type": kind, "code": status}})
-
-    def _client_gone(self) -> bool:
-      """True once the client has closed its end of the connection (a readable socket with nothing to read)."""
-      try:
-        readable, _, _ = select.select([self.connection], [], [], 0)
-        return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
-      except (OSError, ValueError):
-        return True
-
-    def do_GET(self):  # pylint: disable=invalid-name
-      if self.path == "/health":
-        failure = server.health()
-        if failure is None:
-          self._json(200, {"status": "ok"})
-        else:
-          self._json(503, {"status": "error", "message": failure})
-      elif self.path == "/v1/models":
-        self._json(200, {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                                      "owned_by": "m3jax"}]})
-      else:
-        self._error(404, f"no route {self.path[:80]}")
-
-    def do_POST(self):  # pylint: disable=invalid-name
-      try:
-        length = body_length(self.headers, server.limits.max_body_bytes)
-      except RequestError as e:  # the body is not read: nothing after it on this connection can be parsed
-        self.close_connection = True
-        self._error(e.status, str(e))
-        return
-      try:
-        data = self.rfile.read(length)
-      except OSError:  # the client stopped sending (socket timeout) or left
-        self.close_connection = True
-        return
-      if len(data) < length:  # the client closed before sending the whole body
-        self.close_connection = True
-        return
-      if self.path not in ROUTES:
-        self._error(404, f"no route {self.path[:80]}")
-        return
-      try:
-        request = server.prepare(parse_request(self.path, decode_body(data), server.limits))
-        request_id, updates = server.submit(request)
-      except RequestError as e:
-        self._error(e.status, str(e))
-        return
-      except Exception as e:  # pylint: disable=broad-except  (e.g. the tokenizer failed on this prompt)
-        self._error(500, f"internal error: {type(e).__name__}: {e}")
-        return
-      chat = self.path == CHAT
-      reply = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "created": int(time.time()),
-               "model": server.model_name}
-      pieces = server.follow(request_id, updates, request.stop, self._client_gone)
-      self._streaming = answered = False
-      try:
-        if request.stream:
-          self._stream(pieces, request, chat, reply)
-        else:
-          self._whole(pieces, request, chat, reply)
-        answered = True
-      except (ClientGone, BrokenPipeError, ConnectionResetError):
-        self.close_connection = True
-      except Exception as e:  # pylint: disable=broad-except  (a fault while answering: this request's alone)
-        self.close_connection = True
-        if not self._streaming:
-          self._error(500, f"internal error: {type(e).__name__}: {e}")
-      finally:
-        pieces.close()
-        if not answered:  # the engine frees its slot at the next call (nothing if it had finished)
-          server.cancel(request_id)
-
-    def _whole(self, pieces, request: Request, chat: bool, reply: dict[str, Any]) -> None:
-      try:
-        merged = list(pieces)
-      except (GenerationFailed, RequestError) as e:
-        self._error(500, f"generation failed: {e}")
-        return
-      text = "".join(p.text for p in merged)
-      last = merged[-1]
-      logprobs = None
-      if request.logprobs is not None:
-        whole = Piece(text=text, finish_reason=last.finish_reason, generated=last.generated,
-                      ids=[t for p in merged for t in p.ids], logprobs=[x for p in merged for x in p.logprobs],
-                      top=None if last.top is None else ([x for p in merged for x in p.top[0]],
-                                                         [x for p in merged for x in p.top[1]]),
-                      offsets=[x for p in merged for x in p.offsets])
-        logprobs = server.logprobs_json(whole, request.logprobs, chat)
-      choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                else {"index": 0, "text": text})
-      prompt_tokens = len(request.prompt_ids)
-      self._json(200, {**reply, "object": "chat.completion" if chat else "text_completion",
-                       "choices": [{**choice, "logprobs": logprobs, "finish_reason": last.finish_reason}],
-                       "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": last.generated,
-                                 "total_tokens": prompt_tokens + last.generated}})
-
-    def _stream(self, pieces, request: Request, chat: bool, reply: dict[str, Any]) -> None:
-      self.send_response(200)
-      self.send_header("Content-Type", "text/event-stream")
-      self.send_header("Cache-Control", "no-cache")
-      self.send_header("Connection", "close")
-      self.end_headers()
-      self.close_connection = True
-      self._streaming = True
-      first = True
-      reply = {**reply, "object": "chat.completion.chunk" if chat else "text_completion"}
-      try:
-        for piece in pieces:
-          if not piece.text and piece.finish_reason is None:
-            continue  # held back (a partial character, or a possible stop string's start)
-          message = {"role": "assistant", "content": piece.text} if first else {"content": piece.text}
-          first = False
-          choice = {"index": 0, "delta": message} if chat else {"index": 0, "text": piece.text}
-          if request.logprobs is not None:
-            choice["logprobs"] = server.logprobs_json(piece, request.logprobs, chat)
-          self._event({**reply, "choices": [{**choice, "finish_reason": piece.finish_reason}]})
-      except GenerationFailed as e:
-        self._event({"error": {"message": f"generation failed: {e}", "type": "server_error", "code": 500}})
-      self.wfile.write(b"data: [DONE]\n\n")
-      self.wfile.flush()
-
-    def _event(self, payload: dict[str, Any]) -> None:
-      self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-      self.wfile.flush()
-
-  return Handler
-
-
-class _Loading(http.server.BaseHTTPRequestHandler):
-  """Answers 503 while the model loads (``bind`` before ``attach``)."""
-
-  protocol_version = "HTTP/1.1"
-
-  def log_message(self, format, *args):  # pylint: disable=redefined-builtin
-    del format, args
-
-  def _loading(self):
-    self.close_connection = True
-    data = json.dumps({"status": "loading"}).encode()
-    self.send_response(503)
-    self.send_header("Content-Type", "application/json")
-    self.send_header("Content-Length", str(len(data)))
-    self.send_header("Connection", "close")
-    self.end_headers()
-    self.wfile.write(data)
-
-  do_GET = do_POST = _loading  # noqa: N815
-
-
-def bind(host: str = "127.0.0.1", port: int = 8000) -> http.server.ThreadingHTTPServer:
-  """Binds host:port now (port 0 picks a free one), so that a port in use fails before anything else is done;
-  ``attach`` gives it the Server to answer with. ValueError naming the address when it cannot listen there."""
+def _tokenizer_info(checkpoint: str, names: TokenStrings, engine: Engine) -> dict[str, Any]:
+  """GET /tokenizer_info: the special tokens (tokenizer_config.json's, else the engine's first stop token as eos),
+  the chat template and the longest request (vLLM's layout, what lm-eval's remote tokenizer reads)."""
   try:
-    httpd = http.server.ThreadingHTTPServer((host, port), _Loading)
-  except OSError as e:
-    raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? pick another "
-                     "--port)") from None
-  httpd.daemon_threads = True
-  return httpd
+    with open(os.path.join(checkpoint, "tokenizer_config.json"), encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    config = {}
+  config = config if isinstance(config, dict) else {}
 
+  def token(name: str) -> str | None:
+    value = config.get(name)
+    value = value.get("content") if isinstance(value, dict) else value
+    return value if isinstance(value, str) else None
 
-def attach(httpd: http.server.ThreadingHTTPServer, server: Server) -> http.server.ThreadingHTTPServer:
-  """Makes a bound HTTP server answer with ``server`` (call ``serve_forever`` on it)."""
-  httpd.RequestHandlerClass = make_handler(server)
-  return httpd
-
-
-def serve(server: Server, host: str = "127.0.0.1", port: int = 8000) -> http.server.ThreadingHTTPServer:
-  """An HTTP server bound to host:port (port 0 picks a free one); call ``serve_forever`` on it."""
-  return attach(bind(host, port), server)
+  eos = token("eos_token")
+  if eos is None and int(engine.eos[0]) >= 0:
+    eos = names.text(int(engine.eos[0]))
+  template = config.get("chat_template")
+  return {"eos_token": eos, "bos_token": token("bos_token"), "pad_token": token("pad_token"),
+          "chat_template": template if isinstance(template, str) else None, "model_max_length": engine.max_length,
+          "tokenizer_class": "PreTrainedTokenizerFast"}

@@ -271,8 +271,38 @@ def test_batch_stop_strings_cut_the_completion_and_its_ids(demo_dir, tmp_path):
   assert stop not in tok.decode(want_ids[:n - 1])
 
 
+def test_batch_lines_set_their_own_max_tokens_and_sampling(demo_dir, tmp_path):
+  """#49: per-line max_tokens / temperature were silently ignored. A greedy line gets generate's tokens for its own
+  budget; a sampled line follows its own seed, whatever line it is on."""
+  tok = load_tokenizer(demo_dir)
+  greedy = {"prompt": "Hello", "max_tokens": 2, "temperature": None}
+  sampled = {"prompt": "What is sparse attention?", "max_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": 3,
+             "top_k": -1}
+  outs = []
+  for order in ((greedy, sampled), (sampled, greedy)):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in order))
+    assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--batch-size", "2",
+                     "--max-new-tokens", "3", "--kernels", "reference"]) == 0
+    outs.append([json.loads(x) for x in dst.read_text().splitlines()])
+  (g1, s1), (s2, g2) = outs
+  model = m3jax.load(demo_dir, kernels="reference", text_only=True)
+  alone = generate(model, [tok.encode("Hello", add_special_tokens=False).ids], max_new_tokens=2,
+                   eos_token_ids=model.config.text.eos_token_ids)
+  assert g1["completion_ids"] == g2["completion_ids"] == alone.tokens[0, :alone.lengths[0]].tolist()
+  assert s1["completion_ids"] == s2["completion_ids"]
+  assert len(s1["completion_ids"]) == 6 or s1["finish_reason"] == "stop"
+  plain = generate(model, [tok.encode(sampled["prompt"], add_special_tokens=False).ids], max_new_tokens=6,
+                   eos_token_ids=model.config.text.eos_token_ids)
+  assert s1["completion_ids"] != plain.tokens[0, :plain.lengths[0]].tolist()  # its temperature was used
+
+
 @pytest.mark.parametrize("line, message", [
-    ("not json", "in.jsonl:2: not JSON"),
+    ("not json", "in.jsonl:2:1: not JSON (Expecting value at line 2 column 1)"),
+    ('{"prompt": x}', "in.jsonl:2:12: not JSON (Expecting value at line 2 column 12)"),  # the decoder's column
+    ('{"prompt": "a", "temperature": -1}', "in.jsonl:2: temperature must be a finite number >= 0, got -1"),
+    ('{"prompt": "a", "top_k": 2147483648}', "in.jsonl:2: top_k must be an integer in [-1, 2147483647]"),
+    ('{"prompt": "a", "max_tokens": 0}', 'in.jsonl:2: "max_tokens" must be a positive integer, got 0'),
     ('{"prompt": "a", "prompt_ids": [1]}', 'in.jsonl:2: expected an object with "prompt"'),
     ('{"prompt_ids": [1, "x"]}', '"prompt_ids" must be a non-empty list of ints'),
     ('{"prompt_ids": [1, 100000]}', "in.jsonl:2: token ids outside [0, "),

@@ -91,7 +91,11 @@ def test_a_stop_string_cuts_text_tokens_and_log_probabilities_and_asks_for_a_can
   assert tok.decode(ids[:n]).find("holds") >= 0 > tok.decode(ids[:n - 1]).find("holds")  # cut at the exact token
   assert reply.tokens == ids[:n] and pieces[-1].generated == n
   assert reply.logprobs[:n] == [-float(i) for i in range(n)]
-  assert [t for p in pieces for t in p.ids] == ids[:n]
+  # Listed (with log-probabilities) are the tokens that spell the text kept, not the stop string's own (#49).
+  listed = [t for p in pieces for t in p.ids]
+  assert listed == ids[:len(listed)] and len(listed) < n
+  assert tok.decode(listed).startswith(reply.text) and not tok.decode(listed[:-1]).startswith(reply.text)
+  assert [x for p in pieces for x in p.logprobs] == [-float(i) for i in range(len(listed))]
   with pytest.raises(ValueError, match="after its reply finished"):
     reply.add(_updates(ids, [1])[0])
 

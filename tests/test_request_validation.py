@@ -13,7 +13,8 @@ from m3jax.request_validation import (CHAT, COMPLETIONS, INT32_MAX, Limits, Requ
                                       decode_body, parse_request)
 from m3jax.sampling import SamplingParams
 
-LIMITS = Limits(vocab_size=384, max_length=256, max_logprobs=3, max_body_bytes=10_000, placeholder_ids=(5, 6))
+LIMITS = Limits(vocab_size=384, max_length=256, max_logprobs=3, max_body_bytes=10_000, placeholder_ids=(5, 6),
+                model_name="tiny")
 
 
 def _refused(path, body, status=400):
@@ -40,7 +41,8 @@ def test_int32_fields_are_checked_at_the_edge():
 def test_lengths_vocabulary_and_placeholders():
   assert "max_tokens must be a positive integer, got 2.5" in _refused(COMPLETIONS, {"prompt": "x", "max_tokens": 2.5})
   assert "exceeds the engine's max_length (256)" in _refused(COMPLETIONS, {"prompt": "x", "max_tokens": 256})
-  assert "n > 1 is not supported" in _refused(COMPLETIONS, {"prompt": "x", "n": 2})
+  assert "n must be an integer in [1, 64], got 65" in _refused(COMPLETIONS, {"prompt": "x", "n": 65})
+  assert parse_request(COMPLETIONS, {"prompt": ["x", "y"], "n": 3}, LIMITS).n == 3
   assert "stream must be true or false" in _refused(COMPLETIONS, {"prompt": "x", "stream": "yes"})
   assert "stop strings may hold at most 1024" in _refused(COMPLETIONS, {"prompt": "x", "stop": "a" * 2000})
   assert "message 1: each message needs a string role" in _refused(
@@ -52,6 +54,44 @@ def test_lengths_vocabulary_and_placeholders():
     with pytest.raises(RequestError, match=re.escape(message)):
       check_prompt(ids, 20, LIMITS)
   check_prompt(list(range(10, 246)), 10, LIMITS)  # exactly max_length
+
+
+@pytest.mark.quick
+def test_null_means_default_and_openai_fields():
+  """#49: explicit nulls (as SDK wrappers send) got 400s; echo, prompt lists, text parts and the model are read."""
+  nulls = {k: None for k in ("max_tokens", "n", "echo", "logprobs", "stop", "temperature", "top_p", "top_k", "seed",
+                             "stream", "stream_options", "best_of", "logit_bias", "suffix", "model",
+                             "skip_special_tokens", "presence_penalty", "frequency_penalty")}
+  parsed = parse_request(COMPLETIONS, {"prompt": "x", **nulls}, LIMITS)
+  assert parsed.max_tokens == 16 and parsed.sampling == {} and parsed.stop == () and parsed.logprobs is None
+  assert not parsed.echo and not parsed.stream and parsed.skip_special_tokens and parsed.prompts == ("x",)
+  chat = parse_request(CHAT, {"messages": [{"role": "user", "content": "x"}], **nulls, "top_logprobs": None}, LIMITS)
+  assert chat.max_tokens == 255 and chat.messages  # 256, within max_length == ({"role": "user", "content": "x"},)
+  many = parse_request(COMPLETIONS, {"prompt": [[1, 2], [3]], "echo": True, "max_tokens": 0, "model": "tiny"}, LIMITS)
+  assert many.prompts == ((1, 2), (3,)) and many.echo and many.max_tokens == 0
+  assert parse_request(COMPLETIONS, {"prompt": ["a", "b"]}, LIMITS).prompts == ("a", "b")
+  assert parse_request(COMPLETIONS, {"prompt": [[7]]}, LIMITS).prompts == ((7,),)
+  parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+  assert parse_request(CHAT, {"messages": [{"role": "user", "content": parts}]}, LIMITS).messages[0]["content"] == "a\nb"
+  streamed = parse_request(CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                  "stream_options": {"include_usage": True}}, LIMITS)
+  assert streamed.include_usage and streamed.stream
+  with pytest.raises(RequestError) as e:
+    parse_request(COMPLETIONS, {"prompt": "x", "model": "gpt-4"}, LIMITS)
+  assert (e.value.status, e.value.param, e.value.code) == (404, "model", "model_not_found")
+  assert e.value.body()["error"] == {"message": str(e.value), "type": "invalid_request_error", "param": "model",
+                                     "code": "model_not_found"}
+  image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+  assert "image_url parts are not supported" in _refused(CHAT, {"messages": [{"role": "user", "content": image}]})
+  assert "max_tokens must be a positive integer, got 0 (0 only with echo: true)" in _refused(
+      COMPLETIONS, {"prompt": "x", "max_tokens": 0})
+  assert "prompt 1 must be a non-empty string or list of token ids" in _refused(COMPLETIONS, {"prompt": ["a", []]})
+  assert "stream_options must be an object, and only with stream: true" in _refused(
+      COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}})
+  assert "echo must be true or false" in _refused(COMPLETIONS, {"prompt": "x", "echo": 1})
+  with pytest.raises(RequestError) as e:
+    parse_request(COMPLETIONS, {"prompt": "x", "temperature": -1}, LIMITS)
+  assert e.value.param == "temperature" and e.value.body()["error"]["code"] is None
 
 
 @pytest.mark.parametrize("headers, status, message", [
@@ -90,7 +130,8 @@ _JSON = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=
                      max_leaves=12)
 _FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
            "stop", "n", "stream", "logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools",
-           "presence_penalty", "frequency_penalty", "response_format"]
+           "presence_penalty", "frequency_penalty", "response_format", "model", "stream_options",
+           "skip_special_tokens"]
 _FIELD_VALUES = st.one_of(_JSON, st.lists(st.integers(-5, 400), max_size=6),
                           st.lists(st.fixed_dictionaries({"role": _SCALARS, "content": _SCALARS}), max_size=3))
 _BODIES = st.one_of(_JSON, st.dictionaries(st.sampled_from(_FIELDS), _FIELD_VALUES, max_size=8))
@@ -103,18 +144,21 @@ def test_any_body_is_parsed_or_refused_with_a_request_error(body, chat):
   try:
     parsed = parse_request(CHAT if chat else COMPLETIONS, body, LIMITS)
   except RequestError as e:
-    assert e.status == 400 and str(e) and "\n" not in str(e)
+    assert e.status in (400, 404) and str(e) and "\n" not in str(e)
+    assert (e.status == 404) == (e.code == "model_not_found")
     return
   # What passes is what the engine can run.
-  assert isinstance(parsed.max_tokens, int) and 1 <= parsed.max_tokens < LIMITS.max_length
+  assert isinstance(parsed.max_tokens, int) and (0 if parsed.echo else 1) <= parsed.max_tokens < LIMITS.max_length
   SamplingParams(**{k: v for k, v in parsed.sampling.items() if k != "seed"})
   assert 0 <= parsed.sampling.get("seed", 0) <= INT32_MAX
-  assert (parsed.messages is not None) == chat
-  if parsed.prompt_ids is not None:
-    try:
-      check_prompt(parsed.prompt_ids, parsed.max_tokens, LIMITS)
-    except RequestError:
-      pass
+  assert (parsed.messages is not None) == chat == (parsed.prompts is None)
+  for prompt in parsed.prompts or ():
+    assert (isinstance(prompt, str) and prompt) or (isinstance(prompt, tuple) and prompt)
+    if isinstance(prompt, tuple):
+      try:
+        check_prompt(prompt, parsed.max_tokens, LIMITS)
+      except RequestError:
+        pass
 
 
 @settings(max_examples=100, deadline=None)

@@ -114,3 +114,27 @@ def test_multimodal_logprobs_follow_the_multimodal_forward():
     np.testing.assert_allclose(got, want, atol=2e-5)
   text_only = token_logprobs(vl, ids).logprobs[0, 1:n]
   assert np.abs(text_only - want).max() > 1e-3  # the images reach the scores
+
+
+def test_top_k_alternatives_equal_hfs_and_hold_the_greedy_token_exactly(model, ref):
+  """token_logprobs(top_k=k) (what m3jax serve's echo lists): at each position the k most likely next tokens of
+  HF's logits, most likely first, and a greedy token's own log-probability equals its first entry bit for bit
+  (lm-eval's is_greedy compares them with ==); chunked (the prefill_chunk scan) too."""
+  lengths = (150, 97)
+  seqs = [ref["input_ids"][b, :n].tolist() for b, n in enumerate(lengths)]
+  for chunk in (None, 64):
+    out = token_logprobs(model, seqs, top_k=3, prefill_chunk=chunk)
+    assert out.top_ids.shape == out.top_logprobs.shape == (2, 256, 3) and out.top_ids.dtype == np.int32
+    for b, n in enumerate(lengths):
+      logits = ref["logits"][b, : n - 1].astype(np.float64)
+      logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+      top = np.sort(logits, -1)[:, ::-1][:, :3] - logz[:, None]
+      np.testing.assert_allclose(out.top_logprobs[b, 1:n], top, atol=2e-5)
+      clear = top[:, 0] - top[:, 1] > 1e-3
+      np.testing.assert_array_equal(out.top_ids[b, 1:n, 0][clear], logits.argmax(-1)[clear])
+      greedy = out.greedy[b, 1:n]
+      np.testing.assert_array_equal(out.logprobs[b, 1:n][greedy], out.top_logprobs[b, 1:n, 0][greedy])
+      assert greedy.any() and not out.top_ids[b, 0].any() and not out.top_logprobs[b, n:].any()
+  assert token_logprobs(model, seqs).top_ids is None
+  with pytest.raises(ValueError, match="top_k must be an integer in"):
+    token_logprobs(model, seqs, top_k=-1)

@@ -11,36 +11,18 @@ import numpy as np
 import pytest
 
 import m3jax
-from m3jax.demo import build_demo_checkpoint
 from m3jax.engine import Engine
 from m3jax.generate import generate
-from m3jax.serving import Server, serve
-from m3jax.tokenizer import load_tokenizer, render_messages
-
-
-# HF chat templates refuse conversations they cannot render with raise_exception(...).
-_REFUSING = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
-             "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{% endfor %}")
+from m3jax.serving import Server
+from m3jax.serving_http import serve
+from m3jax.tokenizer import render_messages
+from served_checkpoint import served_checkpoint
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  ckpt = build_demo_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
-  config = json.loads(open(f"{ckpt}/tokenizer_config.json").read())
-  config["chat_template"] = _REFUSING + config["chat_template"]
-  with open(f"{ckpt}/tokenizer_config.json", "w") as f:
-    json.dump(config, f)
-  model = m3jax.load(ckpt, kernels="reference", text_only=True)
-  engine = Engine(model, slots=2, max_length=256, steps_per_call=3, logprobs=True, top_logprobs=3)
-  server = Server(engine, ckpt, model_name="tiny-m3")
-  httpd = serve(server, port=0)
-  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-  thread.start()
-  yield {"url": f"http://127.0.0.1:{httpd.server_address[1]}", "model": model, "ckpt": ckpt,
-         "tok": load_tokenizer(ckpt), "engine": engine, "server": server}
-  httpd.shutdown()
-  httpd.server_close()
-  server.close()
+  with served_checkpoint(tmp_path_factory.mktemp("serve")) as s:
+    yield s
 
 
 def _post(url, body, raw=False):
@@ -55,7 +37,7 @@ def _greedy(s, ids, n):
   out = generate(s["model"], [ids], max_new_tokens=n, eos_token_ids=eos)
   ids = out.tokens[0, : out.lengths[0]].tolist()
   stopped = ids[-1] in eos
-  return s["tok"].decode(ids[:-1] if stopped else ids, skip_special_tokens=False), ("stop" if stopped else "length"), ids
+  return s["tok"].decode(ids[:-1] if stopped else ids, skip_special_tokens=True), ("stop" if stopped else "length"), ids
 
 
 @pytest.mark.quick
@@ -104,13 +86,14 @@ def test_chat_whole_and_streamed(served):
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature must be a finite number >= 0"),
     ("/v1/completions", {"prompt": "x", "top_p": "high"}, "top_p must be a number"),
-    ("/v1/completions", {"prompt": ""}, '"prompt" must be a non-empty string or list of token ids'),
+    ("/v1/completions", {"prompt": ""}, '"prompt" must be a non-empty string, a list of token ids, or a list'),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, "max_tokens must be a positive integer"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 300}, "exceeds the engine's max_length (256)"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt ids outside"),
-    ("/v1/completions", {"prompt": [1, True]}, '"prompt" must be a non-empty string or list of token ids'),
+    ("/v1/completions", {"prompt": [1, True]}, '"prompt" must be a non-empty string, a list of token ids, or a'),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": True}, "max_tokens must be a positive integer"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n > 1 is not supported"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n must be an integer in [1, 64], got 0"),
+    ("/v1/completions", {"prompt": ["x"] * 40, "n": 2}, "40 prompts x n=2 choices: at most 64 per request"),
     ("/v1/chat/completions", {"messages": []}, '"messages" must be a non-empty list'),
     ("/v1/completions", {"prompt": "x", "stop": 5}, "stop must be a string or a list of at most 16 strings"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, "stop must be a string or a list of at most 16"),
@@ -227,7 +210,11 @@ def test_logprobs_list_the_shown_tokens_whole_streamed_and_in_chat(served):
   body = {"prompt": ids, "max_tokens": 12, "logprobs": 2}
   whole = _post(served["url"] + "/v1/completions", body)["choices"][0]
   lp = whole["logprobs"]
-  assert whole["text"] == text and "".join(lp["tokens"]).replace("\ufffd", "") == text.replace("\ufffd", "")
+  assert whole["text"] == text
+  # Tokens holding part of a character are named by their bytes (#49), so the names spell the text's UTF-8.
+  spelled = b"".join(bytes.fromhex(t[len("bytes:"):].replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+                     for t in lp["tokens"])
+  assert spelled.decode("utf-8", "replace") == text
   assert len(lp["token_logprobs"]) == len(shown) == len(lp["top_logprobs"]) == len(lp["text_offset"])
   np.testing.assert_allclose(lp["token_logprobs"], want, atol=2e-2)  # decode steps vs one scoring forward
   for chosen, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
@@ -239,14 +226,16 @@ def test_logprobs_list_the_shown_tokens_whole_streamed_and_in_chat(served):
   assert [x for c in chunks for x in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
   # Offsets index the reply's characters: a token that starts a character starts at its offset.
   for t, o in zip(lp["tokens"], lp["text_offset"]):
-    if t != "\ufffd":
+    if not t.startswith("bytes:"):
       assert text[o:].startswith(t), (t, o)
   # Chat: per-token entries whose bytes spell the reply exactly (a token may hold part of a character).
   messages = [{"role": "user", "content": "Say something in Chinese"}]
   chat = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "logprobs": True,
                                                         "top_logprobs": 3})["choices"][0]
   content = chat["logprobs"]["content"]
-  assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", "replace") == chat["message"]["content"]
+  special = {t.content for t in served["tok"].get_added_tokens_decoder().values() if t.special}
+  spelled = bytes(b for e in content if e["token"] not in special for b in e["bytes"])  # special: not in the text
+  assert spelled.decode("utf-8", "replace") == chat["message"]["content"]
   assert all(len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["logprob"] >= e["logprob"] - 1e-6
              for e in content)
   none = _post(served["url"] + "/v1/chat/completions", {"messages": messages, "max_tokens": 2})["choices"][0]
@@ -421,3 +410,227 @@ def test_serve_checks_its_port_before_loading_the_model(served, monkeypatch, cap
   err = capsys.readouterr().err
   assert err == (f"m3jax serve: error: cannot listen on 127.0.0.1:{port}: Address already in use (another server "
                  "there? pick another --port)\n")
+
+
+# API completeness (#49): echo, prompt lists, nulls, OpenAI's error shape, stream usage, text parts, special tokens,
+# distinct top_logprobs keys, logprobs cut at a stop string, /metrics, the request log, the tokenizer routes.
+
+
+def _events(raw):
+  return [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
+
+
+def test_echo_gives_the_prompt_its_log_probabilities_and_every_generated_token(served, monkeypatch):
+  """What lm-eval's loglikelihood sends ({"prompt": [[ids], [ids]], "max_tokens": 1, "logprobs": 1, "echo": true})
+  and reads (token_logprobs[ctxlen:-1]): the same numbers as score_continuations."""
+  from m3jax.scoring import score_continuations, token_logprobs  # pylint: disable=g-import-not-at-top
+  tok, model = served["tok"], served["model"]
+  a = tok.encode("The quick brown fox jumps", add_special_tokens=False).ids
+  b = tok.encode("naïve 数据", add_special_tokens=False).ids
+  r = _post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 1, "logprobs": 1, "echo": True,
+                                                 "temperature": 0, "model": "tiny-m3", "seed": 1234})
+  assert [c["index"] for c in r["choices"]] == [0, 1]
+  assert r["usage"] == {"prompt_tokens": len(a) + len(b), "completion_tokens": 2, "total_tokens": len(a) + len(b) + 2}
+  for ids, choice in zip((a, b), r["choices"]):
+    lp = choice["logprobs"]
+    text, _, gen = _greedy(served, ids, 1)
+    assert choice["text"] == tok.decode(ids) + text
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = score_continuations(model, [ids[:2]], [ids[2:]]).logprob[0]  # lm-eval's sum over a continuation
+    assert sum(lp["token_logprobs"][2:-1]) == pytest.approx(float(want), rel=1e-5, abs=1e-5)
+    want = token_logprobs(model, [ids]).logprobs[0, 1:len(ids)]
+    np.testing.assert_allclose(lp["token_logprobs"][1:-1], want, rtol=1e-5, atol=1e-5)
+    for value, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+      assert len(top) == 1 and max(top.values()) >= value - 1e-6  # lm-eval's greedy test reads this
+    assert lp["top_logprobs"][-1][lp["tokens"][-1]] == lp["token_logprobs"][-1]  # the generated token: greedy
+    assert gen[0] == tok.token_to_id(lp["tokens"][-1]) or lp["tokens"][-1].startswith("bytes:")
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][-1] == len(tok.decode(ids))
+  alone = _post(served["url"] + "/v1/completions", {"prompt": a, "max_tokens": 0, "logprobs": 2, "echo": True})
+  choice = alone["choices"][0]
+  assert choice["text"] == tok.decode(a) and choice["finish_reason"] == "length"
+  assert alone["usage"]["completion_tokens"] == 0 and len(choice["logprobs"]["tokens"]) == len(a)
+  scored = token_logprobs(model, [a], top_k=2)
+  assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(scored.logprobs[0, 1:len(a)].tolist(), abs=1e-6)
+  for t in range(1, len(a)):  # the greedy token's logprob equals its top entry exactly (lm-eval's is_greedy)
+    top = choice["logprobs"]["top_logprobs"][t]
+    assert len(top) == 2 and list(top.values()) == scored.top_logprobs[0, t].tolist()
+    if scored.greedy[0, t]:
+      assert max(top.values()) == choice["logprobs"]["token_logprobs"][t]
+  import m3jax.serving as serving_module  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(serving_module, "_SCORE_TOKENS", 16)  # one prompt per scoring forward: the same numbers
+  apart = _post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 0, "logprobs": 2, "echo": True})
+  for one, together in zip(apart["choices"], r["choices"]):
+    np.testing.assert_allclose(one["logprobs"]["token_logprobs"][1:], together["logprobs"]["token_logprobs"][1:-1],
+                               rtol=1e-6, atol=1e-6)
+  monkeypatch.undo()
+  # Streamed: each choice's first chunk is its prompt; the chunks add up to the whole reply, logprobs included.
+  whole = _post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 4, "logprobs": 2, "echo": True})
+  chunks = _events(_post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 4, "logprobs": 2,
+                                                             "echo": True, "stream": True}, raw=True))
+  for c in whole["choices"]:
+    mine = [x["choices"][0] for x in chunks if x["choices"][0]["index"] == c["index"]]
+    assert mine[0]["text"] == tok.decode((a, b)[c["index"]]) and mine[-1]["finish_reason"] == c["finish_reason"]
+    assert "".join(x["text"] for x in mine) == c["text"]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+      assert [v for x in mine for v in x["logprobs"][key]] == c["logprobs"][key], key
+  echoed = _post(served["url"] + "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "echo": True})
+  assert echoed["choices"][0]["text"] == "Hello" + _greedy(served, tok.encode("Hello", add_special_tokens=False).ids,
+                                                            2)[0] and echoed["choices"][0]["logprobs"] is None
+
+
+def test_a_list_of_prompts_gets_a_choice_each_whole_and_streamed_with_usage(served):
+  prompts = ["What is sparse attention?", "Hello", "The quick brown fox"]  # 3 prompts, 2 slots
+  want = [_greedy(served, served["tok"].encode(p, add_special_tokens=False).ids, 5) for p in prompts]
+  whole = _post(served["url"] + "/v1/completions", {"prompt": prompts, "max_tokens": 5, "n": None, "stop": None,
+                                                     "echo": None, "logprobs": None, "max_tokens ": None})
+  assert [(c["index"], c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+      (i, text, reason) for i, (text, reason, _) in enumerate(want)]
+  assert whole["usage"]["completion_tokens"] == sum(len(ids) for _, _, ids in want)
+  chunks = _events(_post(served["url"] + "/v1/completions", {"prompt": prompts, "max_tokens": 5, "stream": True,
+                                                             "stream_options": {"include_usage": True}}, raw=True))
+  for i, (text, reason, _) in enumerate(want):
+    mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+    assert "".join(c["text"] for c in mine) == text and mine[-1]["finish_reason"] == reason
+  assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+  assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_n_choices_per_prompt_follow_the_seed_plus_their_rank(served):
+  body = {"prompt": ["What is sparse attention?", [7, 8, 9]], "max_tokens": 5, "temperature": 0.9, "seed": 11,
+          "n": 2, "echo": True}
+  r = _post(served["url"] + "/v1/completions", body)
+  assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+  assert r["usage"]["prompt_tokens"] == len(served["tok"].encode(body["prompt"][0], add_special_tokens=False).ids) + 3
+  for c in r["choices"]:  # choice c is prompt c // 2's (c % 2)-th, sampled with seed 11 + c % 2
+    alone = _post(served["url"] + "/v1/completions", {**body, "prompt": body["prompt"][c["index"] // 2], "n": None,
+                                                       "seed": 11 + c["index"] % 2})["choices"][0]
+    assert c["text"] == alone["text"] and c["finish_reason"] == alone["finish_reason"]
+  assert r["choices"][0]["text"] != r["choices"][1]["text"]  # two samples, not one twice
+  chunks = _events(_post(served["url"] + "/v1/completions", {**body, "stream": True}, raw=True))
+  for c in r["choices"]:
+    assert "".join(x["choices"][0]["text"] for x in chunks if x["choices"][0]["index"] == c["index"]) == c["text"]
+
+
+@pytest.mark.quick
+def test_errors_use_openais_shape_and_an_unknown_model_is_a_404(served):
+  for path, body, status, param, code in (
+      ("/v1/completions", {"prompt": "x", "model": "gpt-4o"}, 404, "model", "model_not_found"),
+      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model",
+       "model_not_found"),
+      ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+      ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+      ("/v1/embeddings", {"input": "x"}, 404, None, "not_found")):
+    with pytest.raises(urllib.error.HTTPError) as e:
+      _post(served["url"] + path, body)
+    error = json.loads(e.value.read())["error"]
+    assert e.value.code == status and set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+
+
+def test_chat_text_parts_and_special_tokens(served):
+  parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+  as_parts = _post(served["url"] + "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}],
+                                                            "max_tokens": 4})
+  as_text = _post(served["url"] + "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi\nthere"}],
+                                                           "max_tokens": 4})
+  assert as_parts["choices"] == as_text["choices"] and as_parts["usage"] == as_text["usage"]
+  with pytest.raises(urllib.error.HTTPError) as e:
+    _post(served["url"] + "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]}]})
+  assert e.value.code == 400 and "image_url parts are not supported" in json.loads(e.value.read())["error"]["message"]
+  # Special tokens (<bos> is id 1) stay out of reply text unless skip_special_tokens is false.
+  ids = [1] + served["tok"].encode("Hello", add_special_tokens=False).ids
+  shown = _post(served["url"] + "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True})
+  kept = _post(served["url"] + "/v1/completions", {"prompt": ids, "max_tokens": 1, "echo": True,
+                                                    "skip_special_tokens": False})
+  assert shown["choices"][0]["text"].startswith("Hello") and "<bos>" not in shown["choices"][0]["text"]
+  assert kept["choices"][0]["text"].startswith("<bos>Hello")
+
+
+def test_top_logprobs_keep_distinct_tokens_apart_and_stop_at_the_stop_string(served):
+  """#49: keyed by text, the byte tokens of a multi-byte character collapsed onto "\ufffd" (asked 5, got 3); and
+  the stop string's own tokens were listed although the text leaves them out."""
+  ids = served["tok"].encode("naïve 数据 🙂", add_special_tokens=False).ids
+  lp = _post(served["url"] + "/v1/completions", {"prompt": ids, "max_tokens": 12, "logprobs": 3})["choices"][0][
+      "logprobs"]
+  assert all(len(top) == 3 for top in lp["top_logprobs"])
+  text, _, _ = _greedy(served, served["tok"].encode("The quick brown fox", add_special_tokens=False).ids, 40)
+  stop = text[len(text) // 2:len(text) // 2 + 2]
+  kept = text[:text.find(stop)]
+  r = _post(served["url"] + "/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 40, "stop": stop,
+                                                "logprobs": 1})["choices"][0]
+  assert r["text"] == kept
+  names = served["server"].token_strings
+  by_name = {names.key(i): i for i in range(served["tok"].get_vocab_size())}
+  listed = [by_name[t] for t in r["logprobs"]["tokens"]]
+  spelled = served["tok"].decode(listed)
+  assert spelled.startswith(kept) and not served["tok"].decode(listed[:-1]).startswith(kept)
+  assert max(r["logprobs"]["text_offset"]) < len(kept)
+
+
+def test_metrics_and_the_request_log(served, caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  def metrics():
+    with urllib.request.urlopen(served["url"] + "/metrics") as r:
+      assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+      lines = [x for x in r.read().decode().splitlines() if x and not x.startswith("#")]
+    return {x.rsplit(" ", 1)[0]: float(x.rsplit(" ", 1)[1]) for x in lines}
+
+  _wait_until_idle(served)
+  before = metrics()
+  with caplog.at_level(logging.INFO, logger="m3jax.serving"):
+    _post(served["url"] + "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 4})
+    with pytest.raises(urllib.error.HTTPError):
+      _post(served["url"] + "/v1/completions", {"prompt": [7], "model": "other"})
+    deadline = time.monotonic() + 30
+    while sum("/v1/completions" in r.getMessage() for r in caplog.records) < 2:  # logged once the reply is out
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+  lines = [r.getMessage() for r in caplog.records if "/v1/completions" in r.getMessage()]
+  assert lines[0].startswith("127.0.0.1 POST /v1/completions 200 prompt_tokens=3 completion_tokens=4 latency=")
+  assert lines[1].startswith("127.0.0.1 POST /v1/completions 404 prompt_tokens=0 completion_tokens=0 latency=")
+  after = metrics()
+  ok, missing = '{path="/v1/completions",status="200"}', '{path="/v1/completions",status="404"}'
+  assert after["m3jax_requests_total" + ok] == before.get("m3jax_requests_total" + ok, 0) + 1
+  assert after["m3jax_requests_total" + missing] == before.get("m3jax_requests_total" + missing, 0) + 1
+  assert after["m3jax_prompt_tokens_total"] == before["m3jax_prompt_tokens_total"] + 3
+  assert after["m3jax_generation_tokens_total"] == before["m3jax_generation_tokens_total"] + 4
+  assert after["m3jax_time_to_first_token_seconds_count"] == before["m3jax_time_to_first_token_seconds_count"] + 1
+  assert after["m3jax_time_per_output_token_seconds_count"] == before["m3jax_time_per_output_token_seconds_count"] + 1
+  assert after['m3jax_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[
+      "m3jax_time_to_first_token_seconds_count"]
+  assert after["m3jax_cache_slots_total"] == 2 and after["m3jax_cache_slots_used"] == 0
+  assert after["m3jax_requests_waiting"] == 0 and after["m3jax_prefix_cache_hit_rate"] == 0
+
+
+@pytest.mark.quick
+def test_tokenizer_routes(served):
+  with urllib.request.urlopen(served["url"] + "/tokenizer_info") as r:
+    info = json.loads(r.read())
+  assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == ("<eos>", "<bos>", 256)
+  ids = _post(served["url"] + "/tokenize", {"prompt": "Hello <eos>", "add_special_tokens": False})
+  assert ids["tokens"] == served["tok"].encode("Hello <eos>", add_special_tokens=False).ids and ids["tokens"][-1] == 2
+  assert _post(served["url"] + "/detokenize", {"tokens": ids["tokens"]}) == {"prompt": "Hello <eos>"}
+  with pytest.raises(urllib.error.HTTPError) as e:
+    _post(served["url"] + "/detokenize", {"tokens": [1, 99999]})
+  assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
+
+
+@pytest.mark.quick
+def test_a_server_still_loading_answers_503_in_openais_shape():
+  from m3jax.serving_http import bind  # pylint: disable=g-import-not-at-top
+  httpd = bind(port=0)  # bound, no model yet (m3jax serve binds before loading)
+  threading.Thread(target=httpd.serve_forever, daemon=True).start()
+  try:
+    with pytest.raises(urllib.error.HTTPError) as e:
+      _post(f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions", {"prompt": "x"})
+    body = json.loads(e.value.read())
+    assert e.value.code == 503 and body["status"] == "loading"
+    assert body["error"] == {"message": "the model is still loading; retry shortly", "type": "server_error",
+                             "param": None, "code": None}
+  finally:
+    httpd.shutdown()
+    httpd.server_close()

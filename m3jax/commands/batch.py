@@ -2,8 +2,10 @@
 JSONL line out per prompt.
 
 Input lines are objects with "prompt" (text, tokenised with the checkpoint's tokenizer.json; ``--chat`` wraps it in
-the chat template) or "prompt_ids" (a list of token ids), and optionally "id" (copied to the output) and "stop" (a
-string or a list of strings: the completion ends before the first one, and its slot is freed at once). Output
+the chat template) or "prompt_ids" (a list of token ids), and optionally "id" (copied to the output), "stop" (a
+string or a list of strings: the completion ends before the first one, and its slot is freed at once), and the
+line's own "max_tokens", "temperature", "top_p", "top_k" and "seed" (checked as the server checks them; absent or
+null: the command's --max-new-tokens / --temperature / ... / a seed derived from --seed and the line). Output
 lines, in input order: {"id", "index", "prompt_tokens", "completion_ids", "completion" (text, with a tokenizer),
 "finish_reason": "stop" | "length"}, and with --logprobs "completion_logprobs" (one per completion id); completion_ids end with the stop token, or with the token that completed a
 stop string (the completion text ends before the stop string).
@@ -25,13 +27,16 @@ from m3jax.token_ids import is_token_id
 def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("batch", help="generate for a JSONL file of prompts with continuous batching (JSONL out)")
   p.add_argument("checkpoint", help="checkpoint directory (safetensors or converted)")
-  p.add_argument("--input", required=True, help='JSONL: {"prompt": text} or {"prompt_ids": [ids]}, optional "id"')
+  p.add_argument("--input", required=True,
+                 help='JSONL: {"prompt": text} or {"prompt_ids": [ids]}, optional "id", "stop", and per-line '
+                      '"max_tokens", "temperature", "top_p", "top_k", "seed" (default: the flags below)')
   p.add_argument("--output", required=True, help="JSONL written in input order (one line per prompt)")
   p.add_argument("--batch-size", type=int, default=8,
                  help="sequences decoded together (default 8); each slot takes the next prompt as soon as its own "
                       "completion stops (continuous batching)")
   p.add_argument("--steps-per-call", type=int, default=4, help="decode steps per device call (default 4)")
-  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--max-new-tokens", type=int, default=64, help='tokens per completion, for lines without '
+                 '"max_tokens" (default 64)')
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
@@ -48,7 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def read_requests(path: str) -> list[dict[str, Any]]:
-  """The JSONL requests, each checked: an object with a non-empty "prompt" string or "prompt_ids" list."""
+  """The JSONL requests, each checked: an object with a non-empty "prompt" string or "prompt_ids" list, and its
+  optional fields; "sampling" holds the line's own Engine.submit temperature / top_k / top_p / seed."""
+  from m3jax.request_validation import RequestError, is_int, parse_sampling  # pylint: disable=g-import-not-at-top
+
   requests = []
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
@@ -56,8 +64,8 @@ def read_requests(path: str) -> list[dict[str, Any]]:
         continue
       try:
         req = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{number}: not JSON ({e.msg})") from None
+      except json.JSONDecodeError as e:  # the decoder's position, as FILE:LINE:COLUMN
+        raise ValueError(f"{path}:{number}:{e.colno}: not JSON ({e.msg} at line {number} column {e.colno})") from None
       if not isinstance(req, dict) or ("prompt" in req) == ("prompt_ids" in req):
         raise ValueError(f'{path}:{number}: expected an object with "prompt" (text) or "prompt_ids" (ids), not both')
       if "prompt" in req and (not isinstance(req["prompt"], str) or not req["prompt"]):
@@ -70,6 +78,13 @@ def read_requests(path: str) -> list[dict[str, Any]]:
       if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
         raise ValueError(f'{path}:{number}: "stop" must be a non-empty string or a list of them, got {req["stop"]!r}')
       req["stop"] = stop
+      try:
+        req["sampling"] = parse_sampling(req)
+      except RequestError as e:
+        raise ValueError(f"{path}:{number}: {e}") from None
+      max_tokens = req.get("max_tokens")
+      if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
+        raise ValueError(f'{path}:{number}: "max_tokens" must be a positive integer, got {max_tokens!r:.40}')
       requests.append({**req, "line": number})
   if not requests:
     raise ValueError(f"{path}: no requests")
@@ -125,14 +140,18 @@ def run(args: argparse.Namespace) -> int:
     check_no_placeholders(ids, placeholders, f"{args.input}:{r['line']}: the prompt ids")
     prompts.append(ids)
   eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, vocab)
+  budgets = [args.max_new_tokens if r.get("max_tokens") is None else int(r["max_tokens"]) for r in requests]
   # Continuous batching: --batch-size slots decode together, each refilled as soon as its request stops.
-  engine = Engine(model, slots=args.batch_size, max_length=max(len(p) for p in prompts) + args.max_new_tokens,
+  engine = Engine(model, slots=args.batch_size, max_length=max(len(p) + n for p, n in zip(prompts, budgets)),
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
                   logprobs=args.logprobs)
   replies = [Reply(tokenizer, r["stop"]) for r in requests]
-  for i, ids in enumerate(prompts):
-    engine.submit(ids, max_new_tokens=args.max_new_tokens, request_id=i)
+  for i, (ids, r) in enumerate(zip(prompts, requests)):
+    try:
+      engine.submit(ids, max_new_tokens=budgets[i], request_id=i, **r["sampling"])
+    except ValueError as e:
+      raise ValueError(f"{args.input}:{r['line']}: {str(e).replace(f'request {i!r}: ', '')}") from None
   results: dict[int, dict[str, Any]] = {}
   start = time.perf_counter()
   failed: dict[int, str] = {}

@@ -1,5 +1,6 @@
-"""``m3jax serve``: an OpenAI-compatible HTTP server (completions, chat completions, streaming) over continuous
-batching (m3jax.serving, m3jax.engine)."""
+"""``m3jax serve``: an OpenAI-compatible HTTP server (completions with echo / prompt lists / logprobs, chat
+completions, streaming, /metrics, the tokenizer routes lm-eval reads) over continuous batching (m3jax.serving,
+m3jax.engine). One log line per request on stderr."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from m3jax.parallel import cli as parallel_cli
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-  p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)")
+  p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)",
+                     description="An OpenAI-compatible HTTP server: POST /v1/completions (prompt text, ids or a list "
+                                 "of them; echo, logprobs, stop, stream), POST /v1/chat/completions, GET /v1/models, "
+                                 "/health, /metrics (Prometheus text), /tokenizer_info, POST /tokenize, /detokenize. "
+                                 "Each request is logged on stderr (method, path, status, tokens, latency). "
+                                 "docs/serving.md has the details and the lm-eval recipe.")
   p.add_argument("checkpoint", help="checkpoint directory with tokenizer.json (and a chat template for chat)")
   p.add_argument("--host", default="127.0.0.1")
   p.add_argument("--port", type=int, default=8000)
@@ -26,7 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--max-logprobs", type=int, default=5,
                  help="most alternatives per token a request may ask log-probabilities for (default 5; -1 turns "
                       "log-probabilities off, saving a log-softmax over the vocabulary per decode step)")
-  p.add_argument("--model-name", default="minimax-m3", help="the id /v1/models reports")
+  p.add_argument("--model-name", default="minimax-m3",
+                 help="the id /v1/models reports; a request naming another model gets a 404 (default minimax-m3)")
+  p.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
+                 help="request log on stderr: info (default) logs one line per request, debug also /health and "
+                      "/metrics polls, warning none")
   p.add_argument("--max-request-bytes", type=int, default=None,
                  help="largest request body accepted, checked from Content-Length before it is read (default: 64 "
                       "bytes per --max-length token + 64 KiB)")
@@ -37,11 +47,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+  import logging  # pylint: disable=g-import-not-at-top
+
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
   from m3jax.interrupts import Terminated  # pylint: disable=g-import-not-at-top
-  from m3jax.serving import Server, attach, bind  # pylint: disable=g-import-not-at-top
+  from m3jax.serving import Server  # pylint: disable=g-import-not-at-top
+  from m3jax.serving_http import attach, bind  # pylint: disable=g-import-not-at-top
 
   options.check_sampling_args(args)
   if args.max_logprobs < -1:
@@ -63,6 +76,12 @@ def run(args: argparse.Namespace) -> int:
     httpd.server_close()
     raise
   attach(httpd, server)
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("[m3jax] %(message)s"))
+  request_log = logging.getLogger("m3jax.serving")
+  request_log.addHandler(handler)
+  request_log.setLevel(args.log_level.upper())
+  request_log.propagate = False
   host, port = httpd.server_address[:2]
   print(f"[m3jax] serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 ({args.slots} slots, "
         f"up to {engine.max_length} tokens per request)", file=sys.stderr, flush=True)
