@@ -39,11 +39,16 @@ def test_a_pool_too_small_for_every_request_preempts_the_newest_and_recomputes_i
   budgets = [30, 25, 20, 12]
   for i, (p, n) in enumerate(zip(prompts, budgets)):
     engine.submit(p.tolist(), max_new_tokens=n, request_id=i)
+  sampled = dict(temperature=0.9, top_p=0.95, seed=5)
+  engine.submit(ids[1, 10:50].tolist(), max_new_tokens=20, request_id="sampled", **sampled)
   done = {c.request_id: c for c in engine.run()}
-  assert engine.preemptions >= 1 and engine.admitted == 4
+  assert engine.preemptions >= 1 and engine.admitted == 5
   for i, (p, n) in enumerate(zip(prompts, budgets)):
     assert done[i].finish_reason == "length" and done[i].tokens.tolist() == _alone(model, p, n), i
   _all_pages_back(engine)
+  # A sampled request's tokens do not depend on the schedule: alone (no preemption) it draws the same.
+  engine.submit(ids[1, 10:50].tolist(), max_new_tokens=20, request_id="alone", **sampled)
+  assert [c.tokens.tolist() for c in engine.run()] == [done["sampled"].tokens.tolist()]
 
 
 @pytest.mark.quick
