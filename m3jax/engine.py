@@ -94,6 +94,7 @@ class _Sequence:
   position: int = 0
   order: int = 0  # admission order (the newest running request is preempted first)
   preempted: bool = False  # waiting again after a preemption
+  lookup: list[bytes] | None = None  # the chain keys of its ids' full pages (but the last token's), once computed
   finished: bool = False  # set when it leaves its row: the call in flight's tokens for it are dropped
 
   @property
@@ -375,10 +376,11 @@ class Engine:
     full = min(valid // self.page_size, len(seq.pages))
     if full <= len(seq.keys):
       return
-    history = seq.prompt + seq.tokens  # seq.ids is a prefix of it
-    parent = seq.keys[-1] if seq.keys else b""
-    start = len(seq.keys)
-    new = page_digests(history[start * self.page_size:], self.page_size, full - start, parent)
+    start, page, cut = len(seq.keys), self.page_size, len(seq.prompt)
+    lo, hi = start * page, full * page
+    # Tokens lo .. hi of prompt + generated (seq.ids is a prefix of it), without copying the whole history.
+    tokens = seq.prompt[lo:hi] + seq.tokens[max(lo - cut, 0):max(hi - cut, 0)]
+    new = page_digests(tokens, page, full - start, seq.keys[-1] if seq.keys else b"")
     for page, key in zip(seq.pages[start:full], new):
       self._pages.register(page, key)
     seq.keys.extend(new)
@@ -431,10 +433,10 @@ class Engine:
         if not self._waiting or all(s is not None for s in self._rows):
           return
         seq = self._waiting[0]
-        keys = []
-        if self.prefix_caching:
+        if self.prefix_caching and seq.lookup is None:
           # At least the last prompt token is prefilled: its logits give the first new token.
-          keys = page_digests(seq.ids, self.page_size, (len(seq.ids) - 1) // self.page_size)
+          seq.lookup = page_digests(seq.ids, self.page_size, (len(seq.ids) - 1) // self.page_size)
+        keys = seq.lookup or []
         hits, unheld = self._pages.peek(keys)
         need = -(-len(seq.ids) // self.page_size) - hits + unheld
         running = sum(s is not None for s in self._rows)
