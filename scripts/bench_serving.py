@@ -266,7 +266,7 @@ def main() -> None:
   parser.add_argument("--runner-tokens", type=int, default=512)
   parser.add_argument("--long-tokens", type=int, default=32768)
   parser.add_argument("--arrive-after", type=int, default=64, help="runner tokens before the long prompt arrives")
-  parser.add_argument("--long-prefill-chunks", default="512,2048",
+  parser.add_argument("--long-prefill-chunks", default="512,1024,2048",
                       help="the paged engine's prefill budgets tried in long_prompt (--prefill-chunk among them)")
   parser.add_argument("--attn-batch", type=int, default=32)
   parser.add_argument("--attn-context", type=int, default=8192)
