@@ -107,10 +107,6 @@ class _Sequence:
     return len(self.prompt) + len(self.tokens) + self.remaining
 
 
-# Kept as the name of the running-request record for code that inspected the slots.
-_Slot = _Sequence
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
   """The engine's cache and queue (for /metrics): pages of ``page_size`` tokens in the pool (``pages_total``),
