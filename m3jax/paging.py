@@ -17,16 +17,16 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def page_digests(tokens: Sequence[int], page_size: int, count: int, parent: bytes = b"",
-                 extra: bytes = b"") -> list[bytes]:
-  """The chain keys of the first ``count`` full pages of ``tokens``: key i = sha256(key i-1, page i's tokens, extra)
-  (``parent`` is key -1; ``extra`` a fingerprint of what else the pages depend on, e.g. image embeddings)."""
+def page_digests(tokens: Sequence[int], page_size: int, count: int, parent: bytes = b"") -> list[bytes]:
+  """The chain keys of the first ``count`` full pages of ``tokens``: key i = sha256(key i-1, page i's tokens)
+  (``parent`` is key -1). Token ids are the whole key: the engine's prompts are text (image placeholders are
+  refused), so a page's keys depend on its tokens and the pages before it only."""
   keys, key = [], parent
   for i in range(count):
     page = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64)
     if page.size != page_size:
       raise ValueError(f"page {i} of {len(tokens)} tokens is not full (page size {page_size})")
-    key = hashlib.sha256(key + page.tobytes() + extra).digest()
+    key = hashlib.sha256(key + page.tobytes()).digest()
     keys.append(key)
   return keys
 
