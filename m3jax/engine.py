@@ -1,14 +1,13 @@
-"""Continuous batching: a fixed number of cache slots decoded together, each refilled with the next waiting request
-as soon as its sequence stops (``m3jax batch``).
+"""Continuous batching over a paged KV cache (``m3jax serve``, ``m3jax batch``).
 
-``generate`` decodes a batch until its longest sequence is done; here a slot whose request has stopped (a stop token,
-or its own ``max_new_tokens``) takes the next request at once: the requests admitted together are prefilled in one
-call into cache rows of the same length, which are written into their slots' rows of the batch caches, and the
-batch's decode steps go on with per-slot positions. Free slots decode too (static shapes, one compile), into rows nobody reads. Greedy requests get
-exactly the tokens ``generate`` gives them alone (tested). Each request samples with its own temperature / top-k /
-top-p and seed, drawing token t with a key made from the seed and t's position, so a sampled request's tokens do
-not depend on the schedule or on the other requests (tested); they are not ``generate``'s, whose key stream is
-the batch's.
+``generate`` decodes a batch until its longest sequence is done; here a request that has stopped (a stop token, or
+its own ``max_new_tokens``) leaves the decode batch at once and the next waiting one takes its row. The KV cache is
+a pool of pages (m3jax.cache.PagedLayerCache) that requests take as they grow and give back when they end (m3jax.paging
+keeps the books, and full pages for prefix reuse); prompts are prefilled in chunks between decode calls. Rows not
+decoding run in the decode call too (static shapes, one compile), writing nowhere. Each request samples with its
+own temperature / top-k / top-p and seed, drawing token t with a key made from the seed and t's position, so a
+sampled request's tokens do not depend on the schedule (preemptions included) or on the other requests (tested);
+they are not ``generate``'s, whose key stream is the batch's.
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from m3jax import sharding
-from m3jax.generate import (_CACHE_ALIGN, Decoder, _decode, _GraphKey, _prefill, bucket_length,
-                            check_prefill_chunk)
+from m3jax.generate import Decoder, _decode, _GraphKey, bucket_length, check_prefill_chunk, prefill_in_chunks
 from m3jax.model import M3ForCausalLM
+from m3jax.paging import PagePool, page_digests
 from m3jax.sampling import SamplingParams, sample_rows
 from m3jax.token_ids import check_count, check_no_placeholders, is_token_id, resolve_stop_ids, token_list
 
@@ -71,15 +70,63 @@ class Update:
 
 
 @dataclasses.dataclass
-class _Slot:
+class _Sequence:
+  """A request, waiting or running.
+
+  ids: what its prefill computes (the prompt, and after a preemption the tokens it had too); tokens / logprobs:
+  what it generated so far; computed: leading ids whose keys the cache holds; pages: its pool pages in order;
+  keys: the chain keys of its leading full pages that are registered for prefix reuse; row: its row of the
+  decode batch (None while waiting); position: where its next decode step writes.
+  """
+
   request_id: Any
-  position: int  # where the next token is written
+  prompt: list[int]
   remaining: int  # tokens still allowed
-  tokens: list[int]
-  logprobs: list[float]
   sampling: SamplingParams
   seed: int
-  finished: bool = False
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  ids: list[int] = dataclasses.field(default_factory=list)
+  computed: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)
+  keys: list[bytes] = dataclasses.field(default_factory=list)
+  row: int | None = None
+  position: int = 0
+  order: int = 0  # admission order (the newest running request is preempted first)
+  preempted: bool = False  # waiting again after a preemption
+  lookup: list[bytes] | None = None  # the chain keys of its ids' full pages (but the last token's), once computed
+  finished: bool = False  # set when it leaves its row: the call in flight's tokens for it are dropped
+
+  @property
+  def decoding(self) -> bool:
+    return self.row is not None and self.computed == len(self.ids)
+
+  @property
+  def limit(self) -> int:
+    """Positions below this may hold its real tokens (prompt + every token it may generate)."""
+    return len(self.prompt) + len(self.tokens) + self.remaining
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  """The engine's cache and queue (for /metrics): pages of ``page_size`` tokens in the pool (``pages_total``),
+  held by running requests (``pages_in_use``), kept for prefix reuse (``pages_cached``, held or evictable);
+  requests running / waiting; prompt tokens looked up in the prefix cache and those served from it; preemptions."""
+
+  page_size: int
+  pages_total: int
+  pages_in_use: int
+  pages_cached: int
+  running: int
+  waiting: int
+  prefix_query_tokens: int
+  prefix_hit_tokens: int
+  preemptions: int
+
+  @property
+  def prefix_hit_rate(self) -> float:
+    """Share of looked-up prompt tokens served from the prefix cache (0 before any lookup)."""
+    return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 class EngineBroken(RuntimeError):
@@ -87,71 +134,140 @@ class EngineBroken(RuntimeError):
   says why."""
 
 
+_DEFAULT_PREFILL_BUDGET = 2048
+
+
 class Engine:
-  """Continuous batching over ``slots`` cache rows of ``max_length`` tokens.
+  """Continuous batching over a paged KV cache.
+
+  The cache is one pool of pages per layer (K/V and, on sparse layers, the indexer's keys), ``page_size`` tokens a
+  page; each running request holds the pages its tokens need, taken as it grows, and gives them back when it ends.
+  Up to ``max_seqs`` requests run at once (the rows of the decode batch). When the pool runs out, the newest
+  running request is preempted: its pages go back and it waits again, to be recomputed (prefilled with the tokens
+  it had) when pages free up; a request that fits the pool alone is never refused for lack of pages.
+
+  Full pages are kept for prefix reuse (``prefix_caching``): a request whose prompt starts with the tokens of
+  cached pages (the chain of their tokens, m3jax.paging) reads them instead of prefilling them; unheld cached pages
+  are evicted least recently released first when the pool needs pages.
+
+  Prompts are prefilled in chunks: each engine step prefills at most ``prefill_chunk`` prompt tokens (of one
+  request or several) and then runs one decode call of the running requests, so a long prompt does not stall
+  the requests decoding beside it.
 
   Args:
-    model: a loaded M3ForCausalLM (sharded or not; the slots are the batch).
-    slots: sequences decoded together.
-    max_length: the most tokens one request may hold (prompt + new tokens).
+    model: a loaded M3ForCausalLM (sharded or not; the ops read the pool through the page tables, or gather the
+      pages into rows under a multi-device plan).
+    max_tokens_in_cache: the pool's size in tokens (rounded up to whole pages). Default: ``max_seqs`` x
+      ``max_length`` (the memory of the former slot engine).
+    max_seqs: requests decoded together (the decode batch).
+    max_length: the most tokens one request may hold (prompt + new tokens); default
+      min(max_tokens_in_cache, max_position_embeddings).
+    slots: former name of max_seqs.
+    page_size: tokens per page; default the indexer's key block (``index_block_size``: 128 for M3).
+    prefix_caching: keep full pages for reuse by later requests.
     temperature, top_k, top_p: the sampling of requests that do not set their own (``submit``).
     seed: the seed of requests that do not set their own (request n draws with a seed derived from it and n).
     eos_token_ids: as in ``m3jax.generate``.
-    steps_per_call: decode steps per device call (a slot that stops mid-call is refilled after the call).
-    prefill_chunk: prefill prompts in chunks of this many tokens, as in ``generate``.
+    steps_per_call: decode steps per device call (a request that stops mid-call leaves after the call).
+    prefill_chunk: prompt tokens prefilled per engine step (a power of two >= 16; default 2048).
     logprobs: also return each token's log-probability (one log-softmax over the vocabulary per step).
     top_logprobs: also return this many most likely tokens per step (needs logprobs; 0 = none).
 
+  Greedy requests get the tokens ``generate`` gives them alone (tested, with preemption, prefix hits and chunked
+  prefill), up to floating-point reassociation. Each request samples with its own temperature / top-k / top-p
+  and seed, drawing token t with a key made from the seed and t's position, so its tokens do not depend on the
+  schedule or on the other requests (tested).
+
   Faults stay local: a request whose prefill fails (e.g. its prompt bucket runs out of device memory) ends with
   finish_reason "error" and the others go on; a failed decode call fails the requests it was decoding. When a
-  failure consumed the batch state (donated caches), it is rebuilt; if that fails too, ``broken`` says why and
-  ``stream`` raises ``EngineBroken``.
+  failure consumed the batch state (donated pools), it is rebuilt (the prefix cache is emptied); if that fails too,
+  ``broken`` says why and ``stream`` raises ``EngineBroken``.
   """
 
-  def __init__(self, model: M3ForCausalLM, *, slots: int, max_length: int, temperature: float = 0.0,
-               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
-               eos_token_ids: Sequence[int] | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None,
-               logprobs: bool = False, top_logprobs: int = 0):
-    if slots < 1:
-      raise ValueError(f"slots must be >= 1, got {slots}")
+  def __init__(self, model: M3ForCausalLM, *, max_tokens_in_cache: int | None = None, max_seqs: int | None = None,
+               max_length: int | None = None, slots: int | None = None, page_size: int | None = None,
+               prefix_caching: bool = True, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
+               steps_per_call: int = 4, prefill_chunk: int | None = None, logprobs: bool = False,
+               top_logprobs: int = 0):
+    if slots is not None and max_seqs is not None and slots != max_seqs:
+      raise ValueError(f"slots ({slots}) is the former name of max_seqs ({max_seqs}); give one")
+    max_seqs = max_seqs if max_seqs is not None else slots
+    if max_seqs is None or max_seqs < 1:
+      raise ValueError(f"max_seqs (formerly slots) must be >= 1, got {max_seqs}")
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
-    limit = model.config.text.max_position_embeddings
+    cfg = model.config.text
+    page_size = cfg.index_block_size if page_size is None else page_size
+    if page_size < 1 or page_size % cfg.index_block_size:
+      raise ValueError(f"page_size must be a multiple of the index block ({cfg.index_block_size}), got {page_size}")
+    limit = cfg.max_position_embeddings
+    if max_tokens_in_cache is None:
+      if max_length is None:
+        raise ValueError("give max_tokens_in_cache (the pool's size in tokens) or max_length (tokens per request)")
+      max_tokens_in_cache = max_seqs * -(-max_length // page_size) * page_size
+    if max_tokens_in_cache < page_size:
+      raise ValueError(f"max_tokens_in_cache must be >= one page ({page_size} tokens), got {max_tokens_in_cache}")
+    if max_length is None:
+      max_length = min(limit, -(-max_tokens_in_cache // page_size) * page_size)
     if not 2 <= max_length <= limit:
       raise ValueError(f"max_length must be in [2, {limit}] (max_position_embeddings), got {max_length}")
     check_prefill_chunk(prefill_chunk)
-    vocab = model.config.text.vocab_size
+    vocab = cfg.vocab_size
     if not 0 <= top_logprobs <= vocab or (top_logprobs and not logprobs):
       raise ValueError(f"top_logprobs must be in [0, {vocab}] and needs logprobs=True, got {top_logprobs} "
                        f"(logprobs={logprobs})")
     self.logprobs, self.top_logprobs = logprobs, top_logprobs
-    self.model, self.max_length = model, max_length
+    self.model, self.max_length, self.max_seqs = model, max_length, max_seqs
+    self.page_size, self.prefix_caching = page_size, prefix_caching
     self.sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    self.eos = np.asarray(list(resolve_stop_ids(eos_token_ids, model.config.text.eos_token_ids, vocab)) or [-1])
-    self.steps_per_call, self.prefill_chunk = steps_per_call, prefill_chunk
+    self.eos = np.asarray(list(resolve_stop_ids(eos_token_ids, cfg.eos_token_ids, vocab)) or [-1])
+    self.steps_per_call = steps_per_call
+    self.prefill_chunk = prefill_chunk or _DEFAULT_PREFILL_BUDGET
     self._decoder = Decoder.of(model)
-    # Room for a bucketed prompt of up to max_length tokens, and for two calls' steps past a request's end (the
-    # call that finishes it and the one dispatched before its tokens are read).
-    self._cache_len = -(-(bucket_length(max_length) + 2 * steps_per_call) // _CACHE_ALIGN) * _CACHE_ALIGN
-    self._caches = self._decoder.init_caches(slots, self._cache_len)
-    self._logits = self._decoder.put(np.zeros((slots, model.config.text.vocab_size), np.float32))
+    self._pages = PagePool(-(-max_tokens_in_cache // page_size), page_size)
+    self._table_width = -(-max_length // page_size)
+    self._caches = self._decoder.init_paged_caches(self._pages.num_pages, page_size)
+    self._logits = self._decoder.put(np.zeros((max_seqs, vocab), np.float32))
     self._seed = seed
     self._submitted = 0
-    self._slots: list[_Slot | None] = [None] * slots
-    self._waiting: collections.deque[tuple[Any, list[int], int, SamplingParams, int]] = collections.deque()
+    self._rows: list[_Sequence | None] = [None] * max_seqs
+    self._waiting: collections.deque[_Sequence] = collections.deque()
     self._cancelled: set[Any] = set()  # request ids to stop at the next call boundary (``cancel``)
     self._lock = threading.Lock()  # submit / cancel may come from other threads than the one running stream
+    self._admissions = 0
     self.broken: str | None = None  # why the engine cannot serve any more (None while it can)
-    self.prefills = 0  # prefill calls so far (each admits every request a free slot can take)
-    self.admitted = 0  # requests admitted so far
+    self.prefills = 0  # prefill calls so far (each prefills a chunk of one request's prompt or several)
+    self.admitted = 0  # requests admitted so far (a preempted request's readmissions not counted)
+    self.preemptions = 0
     self.decode_calls = 0
+
+  @property
+  def _slots(self) -> list[_Sequence | None]:
+    """The decode batch's rows (None: free)."""
+    return self._rows
+
+  @property
+  def num_pages(self) -> int:
+    return self._pages.num_pages
+
+  def stats(self) -> EngineStats:
+    """The cache's pages and the prefix cache's hits so far (cheap: host bookkeeping only)."""
+    with self._lock:
+      waiting = len(self._waiting)
+    counters = self._pages.counters
+    return EngineStats(page_size=self.page_size, pages_total=self._pages.num_pages, pages_in_use=self._pages.in_use,
+                       pages_cached=self._pages.cached, running=sum(s is not None for s in self._rows),
+                       waiting=waiting, prefix_query_tokens=counters.query_tokens,
+                       prefix_hit_tokens=counters.hit_tokens, preemptions=self.preemptions)
 
   def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, request_id: Any = None,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None) -> None:
     """Queues a request (checked now; run by ``run``). temperature / top_k / top_p default to the engine's; a
     sampled request draws token t with a key made from its seed and t's position, so its tokens depend on its
-    prompt, parameters and seed only, not on the requests it shares the slots with."""
+    prompt, parameters and seed only, not on the requests it shares the batch with. A request that could not fit
+    the pool alone is refused here."""
     ids = token_list(prompt_ids, f"request {request_id!r}: prompt")
     vocab = self.model.config.text.vocab_size
     if not ids:
@@ -163,6 +279,11 @@ class Engine:
     if len(ids) + max_new_tokens > self.max_length:
       raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
                        f"exceeds the engine's max_length ({self.max_length})")
+    pages = -(-(len(ids) + max_new_tokens) // self.page_size)
+    if pages > self._pages.num_pages:
+      raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
+                       f"needs {pages} pages of {self.page_size} tokens; the cache holds "
+                       f"{self._pages.num_pages} (max_tokens_in_cache)")
     try:
       sampling = SamplingParams(temperature=self.sampling.temperature if temperature is None else temperature,
                                 top_k=self.sampling.top_k if top_k is None else top_k,
@@ -175,10 +296,11 @@ class Engine:
       if seed is None:
         seed = (self._seed * 1_000_003 + self._submitted) % 2**31
       self._submitted += 1
-      self._waiting.append((request_id, ids, max_new_tokens, sampling, seed))
+      self._waiting.append(_Sequence(request_id=request_id, prompt=ids, remaining=max_new_tokens, sampling=sampling,
+                                     seed=seed, ids=list(ids)))
 
   def cancel(self, request_id: Any) -> None:
-    """Stops a request at the next call boundary: a waiting one is never admitted, a running one's slot is freed
+    """Stops a request at the next call boundary: a waiting one is never admitted, a running one's pages are freed
     (its tokens of the call in flight are dropped). ``stream`` then yields its last ``Update``, whose completion
     has finish_reason "cancelled" and the tokens it had. Unknown or finished ids are ignored. Safe to call from
     another thread than the one iterating ``stream`` (as the server's request handlers do)."""
@@ -201,26 +323,29 @@ class Engine:
         yield update.completion
 
   def stream(self) -> Iterator[Update]:
-    """Like ``run``, yielding every request's new tokens after each decode call (an ``Update`` per active request
-    and call; the request's last one carries its ``Completion``).
+    """Like ``run``, yielding every request's new tokens after each decode call (an ``Update`` per decoding
+    request and call; the request's last one carries its ``Completion``).
 
-    As in ``generate_stream``, call c + 1 is dispatched before call c's tokens are read back, so the host's work on
-    a call (milliseconds at full size) overlaps the device's work on the one before; a request that stops in call c
-    is therefore decoded once more in call c + 1, whose tokens for it are dropped, before its slot is refilled.
+    Each engine step admits waiting requests into free rows, dispatches one prefill call (a chunk of at most
+    ``prefill_chunk`` prompt tokens) and one decode call of the requests whose prompts are done. As in
+    ``generate_stream``, the decode call of step c + 1 is dispatched before step c's tokens are read back, so the
+    host's work overlaps the device's; a request that stops in call c is therefore decoded once more in call
+    c + 1 (its writes past its end are dropped: it has no pages there), whose tokens for it are dropped.
     """
     if self.broken is not None:
       raise EngineBroken(self.broken)
-    pending = None  # the previous call: (tokens on the device, the slots as they were when it was dispatched)
+    pending = None  # the previous decode call: (tokens on the device, the rows as they were when dispatched)
     while True:
       yield from self._drop_cancelled()
-      yield from self._admit()
+      self._admit()
+      yield from self._prefill_step()
       dispatched = None
       failed = None
-      if any(s is not None for s in self._slots):
+      if any(s is not None and s.decoding for s in self._rows):
         yield from self._fail_unpackable()
-      if any(s is not None for s in self._slots):
+      if any(s is not None and s.decoding for s in self._rows):
         try:
-          dispatched = (self._dispatch(), list(self._slots))
+          dispatched = self._dispatch()
         except Exception as e:  # pylint: disable=broad-except
           failed = e
       if pending is not None and failed is None:
@@ -234,48 +359,264 @@ class Engine:
       if failed is not None:
         pending = None  # a call dispatched after a failed one read the failed one's state
         yield from self._decode_failed(failed)
-      if pending is None and not self._waiting and all(s is None for s in self._slots):
+      if pending is None and not self._waiting and all(s is None for s in self._rows):
         return
 
+  # Pages.
+
+  def _release(self, seq: _Sequence) -> None:
+    """``seq`` leaves its row (finished, failed, cancelled or preempted): its pages go back to the pool (full ones
+    stay cached for reuse) and its tokens of the call in flight will be dropped."""
+    seq.finished = True
+    if seq.row is not None and self._rows[seq.row] is seq:
+      self._rows[seq.row] = None
+    seq.row = None
+    self._pages.release(seq.pages)
+    seq.pages = []
+
+  def _register_full_pages(self, seq: _Sequence, valid: int) -> None:
+    """Registers for prefix reuse the pages of ``seq`` that its first ``valid`` tokens (keys written) fill."""
+    if not self.prefix_caching:
+      return
+    full = min(valid // self.page_size, len(seq.pages))
+    if full <= len(seq.keys):
+      return
+    start, page, cut = len(seq.keys), self.page_size, len(seq.prompt)
+    lo, hi = start * page, full * page
+    # Tokens lo .. hi of prompt + generated (seq.ids is a prefix of it), without copying the whole history.
+    tokens = seq.prompt[lo:hi] + seq.tokens[max(lo - cut, 0):max(hi - cut, 0)]
+    new = page_digests(tokens, page, full - start, seq.keys[-1] if seq.keys else b"")
+    for page, key in zip(seq.pages[start:full], new):
+      self._pages.register(page, key)
+    seq.keys.extend(new)
+
+  def _preempt_newest(self) -> _Sequence | None:
+    """Preempts the most recently admitted running request: its pages go back, it waits at the head of the queue
+    with the tokens it had (recomputed when readmitted). None if nothing runs."""
+    running = [s for s in self._rows if s is not None]
+    if not running:
+      return None
+    victim = max(running, key=lambda s: s.order)
+    self._release(victim)
+    again = _Sequence(request_id=victim.request_id, prompt=victim.prompt, remaining=victim.remaining,
+                      sampling=victim.sampling, seed=victim.seed, tokens=list(victim.tokens),
+                      logprobs=list(victim.logprobs), ids=victim.prompt + victim.tokens, preempted=True)
+    with self._lock:
+      self._waiting.appendleft(again)
+    self.preemptions += 1
+    return victim
+
+  def _grow(self, seq: _Sequence, upto: int) -> bool:
+    """Gives ``seq`` pages for its positions below min(upto, its limit), preempting the newest requests when the
+    pool is out of pages; False if ``seq`` itself was preempted."""
+    need = -(-min(upto, seq.limit) // self.page_size)
+    while len(seq.pages) < need:
+      page = self._pages.allocate()
+      if page is None:
+        victim = self._preempt_newest()
+        if victim is seq or victim is None:
+          return False
+        continue
+      seq.pages.append(page)
+    return True
+
+  def _table(self, seqs: Sequence[_Sequence | None]) -> np.ndarray:
+    """int32 [len(seqs), table width]: each sequence's pages, -1 past them (and for None)."""
+    table = np.full((len(seqs), self._table_width), -1, np.int32)
+    for r, seq in enumerate(seqs):
+      if seq is not None and seq.pages:
+        table[r, : len(seq.pages)] = seq.pages
+    return table
+
+  # Admission and prefill.
+
+  def _admit(self) -> None:
+    """Moves waiting requests into free rows while the pool has the pages their prompts need (beyond the cached
+    prefix they will read); their prefix pages are taken now, the rest as their chunks are prefilled."""
+    while True:
+      with self._lock:
+        if not self._waiting or all(s is not None for s in self._rows):
+          return
+        seq = self._waiting[0]
+        if self.prefix_caching and seq.lookup is None:
+          # At least the last prompt token is prefilled: its logits give the first new token.
+          seq.lookup = page_digests(seq.ids, self.page_size, (len(seq.ids) - 1) // self.page_size)
+        keys = seq.lookup or []
+        hits, unheld = self._pages.peek(keys)
+        need = -(-len(seq.ids) // self.page_size) - hits + unheld
+        running = sum(s is not None for s in self._rows)
+        # Its prompt's pages and a page of headroom for each running request (one to grow into), or it waits; a
+        # request alone is always admitted (preemption makes room).
+        if running and need + running > self._pages.available:
+          return
+        self._waiting.popleft()
+      seq.row = self._rows.index(None)
+      self._rows[seq.row] = seq
+      seq.order = self._admissions
+      self._admissions += 1
+      if self.prefix_caching:
+        seq.pages = self._pages.acquire_prefix(keys[:hits], len(keys) * self.page_size)
+        seq.keys = keys[: len(seq.pages)]
+      seq.computed = len(seq.pages) * self.page_size
+      if not seq.preempted:
+        self.admitted += 1
+
+  def _prefill_step(self) -> Iterator[Update]:
+    """One prefill call: the next chunks of the admitted requests' prompts, oldest first, at most
+    ``prefill_chunk`` tokens in all. If it fails, each chunk is retried alone, so that only the requests whose own
+    prefill fails end with an error."""
+    budget = self.prefill_chunk
+    chunks: list[tuple[_Sequence, int]] = []
+    for seq in sorted((s for s in self._rows if s is not None and not s.decoding), key=lambda s: s.order):
+      if budget == 0:
+        break
+      if seq.row is None:  # preempted by an earlier request's pages this step
+        continue
+      n = min(len(seq.ids) - seq.computed, budget)
+      if not self._grow(seq, seq.computed + n):
+        continue
+      chunks.append((seq, n))
+      budget -= n
+    chunks = [(s, n) for s, n in chunks if s.row is not None]  # a later one's pages may have preempted it
+    if not chunks:
+      return
+    try:
+      self._prefill(chunks)
+      return
+    except Exception as e:  # pylint: disable=broad-except
+      if len(chunks) == 1 or self._state_lost():
+        for seq, _ in chunks:
+          yield self._fail(seq, e)
+        yield from self._recover(e)
+        return
+    for chunk in chunks:
+      try:
+        self._prefill([chunk])
+      except Exception as e:  # pylint: disable=broad-except
+        yield self._fail(chunk[0], e)
+        yield from self._recover(e)
+
+  def _prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
+    """One prefill call over ``chunks`` ((request, tokens) pairs; rows padded to a power of two, the padding
+    rows' writes dropped); the logits of a request whose prompt it completes go to its decode row."""
+    rows = 1 << (len(chunks) - 1).bit_length()
+    width = bucket_length(max(n for _, n in chunks))
+    prompts = np.zeros((rows, width), np.int32)
+    lengths = np.ones((rows,), np.int32)
+    starts = np.zeros((rows,), np.int32)
+    targets = np.full((rows,), self.max_seqs, np.int32)  # out of range: logits dropped
+    for r, (seq, n) in enumerate(chunks):
+      prompts[r, :n] = seq.ids[seq.computed: seq.computed + n]
+      lengths[r], starts[r] = n, seq.computed
+      if seq.computed + n == len(seq.ids):
+        targets[r] = seq.row
+    table = self._table([seq for seq, _ in chunks] + [None] * (rows - len(chunks)))
+    put = self._decoder.put
+    self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompts), put(lengths),
+                                            put(starts), put(targets), put(table), self._logits, self._caches)
+    for seq, n in chunks:
+      seq.computed += n
+      self._register_full_pages(seq, seq.computed)
+      if seq.decoding:
+        seq.position = len(seq.ids)
+    self.prefills += 1
+
+  # Decode.
+
+  def _fail_unpackable(self) -> Iterator[Update]:
+    """Fails, alone, each decoding request whose parameters do not fit the decode call's int32 / float32 arrays
+    (``submit`` refuses them; this keeps one that got through from failing the call for every row)."""
+    for seq in list(self._rows):
+      if seq is None or not seq.decoding:
+        continue
+      try:
+        _slot_row(seq, self.steps_per_call)
+      except (OverflowError, ValueError, TypeError) as e:
+        yield self._fail(seq, e)
+
+  def _dispatch(self) -> tuple[dict[str, jax.Array], list[_Sequence | None]]:
+    """Dispatches one call of steps_per_call steps over every row -> (its tokens int32 [steps, rows] on the device,
+    with logprobs also "logprobs" [steps, rows] and "top_ids" / "top_logprobs" [steps, rows, k]; the rows it
+    decodes). Rows not decoding write nowhere (no pages) and their results are dropped."""
+    for seq in sorted((s for s in self._rows if s is not None and s.decoding), key=lambda s: s.order):
+      if seq.row is not None:
+        self._grow(seq, seq.position + self.steps_per_call)
+    live = [s if s is not None and s.decoding else None for s in self._rows]
+    rows = [(0, 0, 0.0, 0, 1.0) if s is None else _slot_row(s, self.steps_per_call) for s in live]
+    positions, seeds, temperature, top_k, top_p = (np.asarray(col, dtype) for col, dtype in zip(
+        zip(*rows), (np.int32, np.int32, np.float32, np.int32, np.float32)))
+    for s in live:
+      if s is not None:
+        s.position += self.steps_per_call  # every step writes a token, past a stop too
+    d, put = self._decoder, self._decoder.put
+    out, self._logits, self._caches = _steps_jit(
+        d.graph, d.params, d.decode_weights, self._logits, self._caches, put(self._table(live)), put(positions),
+        put(seeds), put(temperature), put(top_k), put(top_p), num_steps=self.steps_per_call,
+        top_logprobs=self.top_logprobs if self.logprobs else -1)
+    self.decode_calls += 1
+    return out, live
+
+  def _collect(self, out: dict[str, np.ndarray], rows: list[_Sequence | None]) -> Iterator[Update]:
+    """Hands a call's tokens (read back to the host) to the request that held each row at dispatch, if still
+    running."""
+    tokens = out["tokens"]
+    for i, seq in enumerate(rows):
+      if seq is None or seq.finished:
+        continue
+      mine = tokens[: seq.remaining, i]
+      stops = np.flatnonzero(np.isin(mine, self.eos))
+      if stops.size:
+        mine = mine[: stops[0] + 1]
+      n = len(mine)
+      seq.tokens.extend(mine.tolist())
+      seq.remaining -= n
+      logprobs = top = None
+      if self.logprobs:
+        logprobs = out["logprobs"][:n, i]
+        seq.logprobs.extend(logprobs.tolist())
+        if self.top_logprobs:
+          top = TopLogprobs(ids=out["top_ids"][:n, i], logprobs=out["top_logprobs"][:n, i])
+      completion = None
+      # Every token it drew has its keys written (a step writes the token it samples).
+      self._register_full_pages(seq, len(seq.prompt) + len(seq.tokens))
+      if stops.size or seq.remaining == 0:
+        self._release(seq)
+        completion = self._completion(seq, "stop" if stops.size else "length")
+      yield Update(request_id=seq.request_id, new_tokens=mine.astype(np.int32), completion=completion,
+                   logprobs=logprobs, top_logprobs=top)
+
+  # Cancels and failures.
+
   def _drop_cancelled(self) -> Iterator[Update]:
-    """Removes the requests ``cancel`` named since the last call, from the waiting queue and from their slots."""
+    """Removes the requests ``cancel`` named since the last call, from the waiting queue and from their rows."""
     with self._lock:
       cancelled, self._cancelled = self._cancelled, set()
-      waiting = [r for r in self._waiting if r[0] in cancelled]
+      waiting = [r for r in self._waiting if r.request_id in cancelled]
       if waiting:
-        self._waiting = collections.deque(r for r in self._waiting if r[0] not in cancelled)
-    for request in waiting:
-      yield Update(request_id=request[0], new_tokens=np.zeros((0,), np.int32),
-                   completion=Completion(request_id=request[0], tokens=np.zeros((0,), np.int32),
-                                         finish_reason="cancelled"))
-    for i, slot in enumerate(self._slots):
-      if slot is not None and slot.request_id in cancelled:
-        slot.finished = True  # its tokens in the call in flight are dropped by _collect
-        self._slots[i] = None
-        yield Update(request_id=slot.request_id, new_tokens=np.zeros((0,), np.int32),
-                     completion=self._completion(slot, "cancelled"))
+        self._waiting = collections.deque(r for r in self._waiting if r.request_id not in cancelled)
+    for seq in waiting:
+      yield Update(request_id=seq.request_id, new_tokens=np.zeros((0,), np.int32),
+                   completion=self._completion(seq, "cancelled"))
+    for seq in list(self._rows):
+      if seq is not None and seq.request_id in cancelled:
+        self._release(seq)
+        yield Update(request_id=seq.request_id, new_tokens=np.zeros((0,), np.int32),
+                     completion=self._completion(seq, "cancelled"))
 
-  def _completion(self, slot: _Slot, finish_reason: str, error: str | None = None) -> Completion:
-    return Completion(request_id=slot.request_id, tokens=np.asarray(slot.tokens, np.int32),
+  def _completion(self, seq: _Sequence, finish_reason: str, error: str | None = None) -> Completion:
+    return Completion(request_id=seq.request_id, tokens=np.asarray(seq.tokens, np.int32),
                       finish_reason=finish_reason,
-                      logprobs=np.asarray(slot.logprobs, np.float32) if self.logprobs else None, error=error)
+                      logprobs=np.asarray(seq.logprobs, np.float32) if self.logprobs else None, error=error)
 
-  def _failure(self, request_id: Any, error: BaseException | str, slot: _Slot | None = None) -> Update:
-    """The last update of a request whose serving failed (finish_reason "error", the tokens it had)."""
+  def _fail(self, seq: _Sequence, error: BaseException | str) -> Update:
+    """The last update of a running request whose serving failed (finish_reason "error", the tokens it had)."""
     message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    completion = (self._completion(slot, "error", message) if slot is not None else
-                  Completion(request_id=request_id, tokens=np.zeros((0,), np.int32), finish_reason="error",
-                             logprobs=np.zeros((0,), np.float32) if self.logprobs else None, error=message))
-    return Update(request_id=request_id, new_tokens=np.zeros((0,), np.int32), completion=completion)
-
-  def _fail_slot(self, i: int, error: BaseException | str) -> Update:
-    slot = self._slots[i]
-    slot.finished = True  # its tokens in the call in flight are dropped by _collect
-    self._slots[i] = None
-    return self._failure(slot.request_id, error, slot)
+    self._release(seq)
+    return Update(request_id=seq.request_id, new_tokens=np.zeros((0,), np.int32),
+                  completion=self._completion(seq, "error", message))
 
   def _state_lost(self) -> bool:
-    """True when the batch logits / caches were consumed (donated to a call that failed) or hold a failed call's
+    """True when the batch logits / pools were consumed (donated to a call that failed) or hold a failed call's
     result."""
     leaves = jax.tree.leaves((self._logits, self._caches))
     try:
@@ -287,21 +628,23 @@ class Engine:
     return False
 
   def _recover(self, error: BaseException) -> Iterator[Update]:
-    """After a failed call: if the batch state was lost, every running request fails (its cache rows are gone)
-    and the state is rebuilt; a failed rebuild marks the engine broken (EngineBroken)."""
+    """After a failed call: if the batch state was lost, every running request fails (its pages are gone) and
+    the state is rebuilt; a failed rebuild marks the engine broken (EngineBroken)."""
     if not self._state_lost():
       return
-    for i, slot in enumerate(self._slots):
-      if slot is not None:
-        yield self._fail_slot(i, f"the engine's batch state was lost by a failed call ({type(error).__name__}: "
-                                 f"{error})")
+    for seq in list(self._rows):
+      if seq is not None:
+        yield self._fail(seq, f"the engine's batch state was lost by a failed call ({type(error).__name__}: "
+                              f"{error})")
     self._rebuild(error)
 
   def _rebuild(self, error: BaseException) -> None:
-    """Fresh batch logits and caches after ``error`` lost them; EngineBroken (and ``broken`` set) if that fails."""
+    """Fresh batch logits and pools (an empty prefix cache) after ``error`` lost them; EngineBroken (and
+    ``broken`` set) if that fails."""
+    self._pages.clear()
     try:
-      self._caches = self._decoder.init_caches(len(self._slots), self._cache_len)
-      self._logits = self._decoder.put(np.zeros((len(self._slots), self.model.config.text.vocab_size), np.float32))
+      self._caches = self._decoder.init_paged_caches(self._pages.num_pages, self.page_size)
+      self._logits = self._decoder.put(np.zeros((self.max_seqs, self.model.config.text.vocab_size), np.float32))
       jax.block_until_ready((self._logits, self._caches))
     except Exception as e:  # pylint: disable=broad-except
       self.broken = (f"the batch state was lost ({type(error).__name__}: {error}) and could not be rebuilt "
@@ -315,130 +658,26 @@ class Engine:
     if self.broken is not None:
       raise EngineBroken(self.broken)
     with self._lock:
-      dropped = [r[0] for r in self._waiting]
+      dropped = [r.request_id for r in self._waiting]
       self._waiting.clear()
       self._cancelled.clear()
-    for i, slot in enumerate(self._slots):
-      if slot is not None:
-        slot.finished = True
-        dropped.append(slot.request_id)
-        self._slots[i] = None
+    for seq in list(self._rows):
+      if seq is not None:
+        dropped.append(seq.request_id)
+        self._release(seq)
     if self._state_lost():
       self._rebuild(RuntimeError("reset after a failure"))
     return dropped
 
   def _decode_failed(self, error: BaseException) -> Iterator[Update]:
     """A decode call failed: the requests it was decoding fail (they shared it); the others wait on."""
-    for i, slot in enumerate(self._slots):
-      if slot is not None:
-        yield self._fail_slot(i, error)
+    for seq in list(self._rows):
+      if seq is not None and seq.decoding:
+        yield self._fail(seq, error)
     yield from self._recover(error)
 
-  def _admit(self) -> Iterator[Update]:
-    """Fills the free slots with waiting requests: one prefill for all of them. If it fails, each is prefilled
-    alone, so that only the requests whose own prefill fails end with an error."""
-    with self._lock:
-      free = [i for i, s in enumerate(self._slots) if s is None][: len(self._waiting)]
-      admitted = [self._waiting.popleft() for _ in free]
-    if not free:
-      return
-    try:
-      self._prefill(free, admitted)
-      return
-    except Exception as e:  # pylint: disable=broad-except
-      if len(free) == 1 or self._state_lost():
-        for request in admitted:
-          yield self._failure(request[0], e)
-        yield from self._recover(e)
-        return
-    for slot, request in zip(free, admitted):
-      try:
-        self._prefill([slot], [request])
-      except Exception as e:  # pylint: disable=broad-except
-        yield self._failure(request[0], e)
-        yield from self._recover(e)
 
-  def _prefill(self, free: list[int], admitted: list[tuple[Any, list[int], int, SamplingParams, int]]) -> None:
-    """One prefill of ``admitted`` into slots ``free`` (rows padded to a power of two, the padding rows' writes
-    dropped), whose rows and last-token logits go into their slots; the slots are taken once it is dispatched."""
-    rows = 1 << (len(free) - 1).bit_length()
-    width = bucket_length(max(len(a[1]) for a in admitted))
-    chunk = self.prefill_chunk if self.prefill_chunk is not None and self.prefill_chunk < width else None
-    prompts = np.zeros((rows, width), np.int32)
-    lengths = np.ones((rows,), np.int32)
-    targets = np.full((rows,), len(self._slots), np.int32)  # out of range: dropped
-    for r, (slot, (_, ids, _, _, _)) in enumerate(zip(free, admitted)):
-      prompts[r, : len(ids)], lengths[r], targets[r] = ids, len(ids), slot
-    put = self._decoder.put
-    self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompts), put(lengths),
-                                            put(targets), self._logits, self._caches, cache_len=self._cache_len,
-                                            chunk=chunk)
-    for slot, (request_id, ids, max_new, sampling, seed) in zip(free, admitted):
-      self._slots[slot] = _Slot(request_id=request_id, position=len(ids), remaining=max_new, tokens=[], logprobs=[],
-                                sampling=sampling, seed=seed)
-    self.prefills += 1
-    self.admitted += len(free)
-
-  def _fail_unpackable(self) -> Iterator[Update]:
-    """Fails, alone, each running request whose parameters do not fit the decode call's int32 / float32 arrays
-    (``submit`` refuses them; this keeps one that got through from failing the call for every slot)."""
-    for i, slot in enumerate(self._slots):
-      if slot is None:
-        continue
-      try:
-        _slot_row(slot, self.steps_per_call)
-      except (OverflowError, ValueError, TypeError) as e:
-        yield self._fail_slot(i, e)
-
-  def _dispatch(self) -> dict[str, jax.Array]:
-    """Dispatches one call of steps_per_call steps over every slot -> its tokens int32 [steps, slots] (on the
-    device; with logprobs also "logprobs" [steps, slots] and "top_ids" / "top_logprobs" [steps, slots, k]). Free
-    slots write at position 0 of rows nobody reads."""
-    live = list(self._slots)
-    rows = [(0, 0, 0.0, 0, 1.0) if s is None else _slot_row(s, self.steps_per_call) for s in live]
-    positions, seeds, temperature, top_k, top_p = (np.asarray(col, dtype) for col, dtype in zip(
-        zip(*rows), (np.int32, np.int32, np.float32, np.int32, np.float32)))
-    for s in live:
-      if s is not None:
-        s.position += self.steps_per_call  # every step writes a token, past a stop too
-    d, put = self._decoder, self._decoder.put
-    out, self._logits, self._caches = _steps_jit(
-        d.graph, d.params, d.decode_weights, self._logits, self._caches, put(positions), put(seeds),
-        put(temperature), put(top_k), put(top_p), num_steps=self.steps_per_call,
-        top_logprobs=self.top_logprobs if self.logprobs else -1)
-    self.decode_calls += 1
-    return out
-
-  def _collect(self, out: dict[str, np.ndarray], slots: list[_Slot | None]) -> Iterator[Update]:
-    """Hands a call's tokens (read back to the host) to the request that held each slot at dispatch, if still
-    running."""
-    tokens = out["tokens"]
-    for i, slot in enumerate(slots):
-      if slot is None or slot.finished:
-        continue
-      mine = tokens[: slot.remaining, i]
-      stops = np.flatnonzero(np.isin(mine, self.eos))
-      if stops.size:
-        mine = mine[: stops[0] + 1]
-      n = len(mine)
-      slot.tokens.extend(mine.tolist())
-      slot.remaining -= n
-      logprobs = top = None
-      if self.logprobs:
-        logprobs = out["logprobs"][:n, i]
-        slot.logprobs.extend(logprobs.tolist())
-        if self.top_logprobs:
-          top = TopLogprobs(ids=out["top_ids"][:n, i], logprobs=out["top_logprobs"][:n, i])
-      completion = None
-      if stops.size or slot.remaining == 0:
-        slot.finished = True
-        self._slots[i] = None
-        completion = self._completion(slot, "stop" if stops.size else "length")
-      yield Update(request_id=slot.request_id, new_tokens=mine.astype(np.int32), completion=completion,
-                   logprobs=logprobs, top_logprobs=top)
-
-
-def _slot_row(slot: _Slot, steps: int) -> tuple[np.int32, np.int32, np.float32, np.int32, np.float32]:
+def _slot_row(slot: _Sequence, steps: int) -> tuple[np.int32, np.int32, np.float32, np.int32, np.float32]:
   """A running slot's entries of a decode call's per-slot arrays (position, seed, temperature, top_k, top_p);
   OverflowError / ValueError when one does not fit its int32 / float32 (the last position it writes included)."""
   np.int32(slot.position + steps)  # the call writes up to this position
@@ -449,15 +688,26 @@ def _slot_row(slot: _Slot, steps: int) -> tuple[np.int32, np.int32, np.float32, 
           np.float32(slot.sampling.top_p or 1.0))
 
 
+def _paged(caches: tuple, table: jax.Array) -> tuple:
+  return tuple(c.with_table(table) for c in caches)
+
+
+def _pools(caches: tuple) -> tuple:
+  """The pools without a call's page tables (what the engine keeps between calls)."""
+  return tuple(c.with_table(jnp.full((0, 1), -1, jnp.int32)) for c in caches)
+
+
 @functools.partial(jax.jit, static_argnames=("graph", "num_steps", "top_logprobs"),
                    donate_argnames=("logits", "caches"))
-def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, positions, seeds, temperature, top_k, top_p,
-               *, num_steps: int, top_logprobs: int):
-  """``num_steps`` decode steps over every slot, each slot sampling with its own parameters and a key made from
-  its seed and the position of the token drawn -> ({"tokens": int32 [num_steps, slots]; with top_logprobs >= 0
-  also "logprobs" float32 [num_steps, slots], and with top_logprobs > 0 "top_ids" / "top_logprobs" [num_steps,
-  slots, top_logprobs]}, logits, caches). Log-probabilities are of the raw logits (fp32 log-softmax)."""
+def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, table, positions, seeds, temperature, top_k,
+               top_p, *, num_steps: int, top_logprobs: int):
+  """``num_steps`` decode steps over every row (its pages: table int32 [rows, pages]), each row sampling with its
+  own parameters and a key made from its seed and the position of the token drawn -> ({"tokens": int32
+  [num_steps, rows]; with top_logprobs >= 0 also "logprobs" float32 [num_steps, rows], and with top_logprobs > 0
+  "top_ids" / "top_logprobs" [num_steps, rows, top_logprobs]}, logits, pools). Log-probabilities are of the raw
+  logits (fp32 log-softmax)."""
   model = graph.merge(params)
+  caches = _paged(caches, table)
   base = jax.vmap(jax.random.key)(seeds)
   slots = logits.shape[0]
 
@@ -484,15 +734,20 @@ def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, positio
     out["top_logprobs"] = jnp.zeros((num_steps, slots, top_logprobs), jnp.float32)
   carry = (out, logits, caches)
   out, logits, caches = step(0, carry) if num_steps == 1 else jax.lax.fori_loop(0, num_steps, step, carry)
-  return jax.tree.map(lambda x: sharding.replicated(x, model.sharding_plan), out), logits, caches
+  return jax.tree.map(lambda x: sharding.replicated(x, model.sharding_plan), out), logits, _pools(caches)
 
 
-@functools.partial(jax.jit, static_argnames=("graph", "cache_len", "chunk"), donate_argnames=("logits", "caches"))
-def _admit_jit(graph: _GraphKey, params, prompts, lengths, slots, logits, caches, *, cache_len: int,
-               chunk: int | None):
-  """Prefills prompts [R, W] (``lengths`` [R] real tokens) into fresh cache rows and writes row r and its
-  last-token logits into batch row ``slots[r]`` (dropped when out of range) -> (logits [slots, V], caches)."""
-  row_logits, rows = _prefill(graph.merge(params), prompts, lengths, cache_len, None, chunk)
-  logits = logits.at[slots].set(row_logits.astype(logits.dtype), mode="drop")
-  caches = jax.tree.map(lambda big, new: big.at[slots].set(new.astype(big.dtype), mode="drop"), caches, rows)
-  return logits, caches
+@functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("logits", "caches"))
+def _admit_jit(graph: _GraphKey, params, prompts, lengths, starts, targets, table, logits, caches):
+  """Prefills chunks prompts [R, W] (``lengths`` [R] real tokens, the first at position ``starts`` [R]) into the
+  pages of table int32 [R, pages], attending to the keys those already hold, and writes row r's last-token logits
+  into batch row ``targets[r]`` (dropped when out of range) -> (logits [rows, V], pools)."""
+  model = graph.merge(params)
+
+  def run(x, positions, caches, at):
+    out = model.forward(x[0], positions=positions, caches=caches, logits_at=at)
+    return out.logits[:, 0], (), out.caches
+
+  row_logits, _, caches = prefill_in_chunks(run, (prompts,), lengths, _paged(caches, table), None, start=starts)
+  logits = logits.at[targets].set(row_logits.astype(logits.dtype), mode="drop")
+  return logits, _pools(caches)

@@ -357,6 +357,10 @@ class Decoder:
     model's sharding plan), in one jitted call."""
     return _init_caches_jit(self.graph, self.params, batch=batch, length=length)
 
+  def init_paged_caches(self, num_pages: int, page_size: int) -> tuple:
+    """Zeroed per-layer page pools (``M3ForCausalLM.init_paged_caches``), in one jitted call."""
+    return _init_paged_caches_jit(self.graph, self.params, num_pages=num_pages, page_size=page_size)
+
   def put(self, x) -> jax.Array:
     """Host value -> jax.Array replicated over the model's mesh."""
     return sharding.put_replicated(x, plan=self.plan)
@@ -392,6 +396,11 @@ class Decoder:
 @functools.partial(jax.jit, static_argnames=("graph", "batch", "length"))
 def _init_caches_jit(graph: _GraphKey, params, *, batch: int, length: int) -> tuple:
   return graph.merge(params).init_caches(batch, length)
+
+
+@functools.partial(jax.jit, static_argnames=("graph", "num_pages", "page_size"))
+def _init_paged_caches_jit(graph: _GraphKey, params, *, num_pages: int, page_size: int) -> tuple:
+  return graph.merge(params).init_paged_caches(num_pages, page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("graph",))

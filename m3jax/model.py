@@ -12,7 +12,7 @@ from flax import nnx
 
 from m3jax import logical_axes as ax
 from m3jax import sharding
-from m3jax.cache import LayerCache
+from m3jax.cache import LayerCache, PagedLayerCache
 from m3jax.config import M3Config
 from m3jax.layers.decoder import DecodeWeights, DecoderLayer
 from m3jax.layers.mtp import MTPLayer
@@ -122,6 +122,20 @@ class M3ForCausalLM(nnx.Module):
     kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
     return LayerCache.zeros(batch, max_length, kv_heads, cfg.head_dim, cfg.index_head_dim if sparse else None,
                             dtype or self.dtype)
+
+  @sharding.uses_model_plan
+  def init_paged_caches(self, num_pages: int, page_size: int, dtype: jnp.dtype | None = None
+                        ) -> tuple[PagedLayerCache, ...]:
+    """Zeroed per-layer pools of ``num_pages`` pages of ``page_size`` tokens (m3jax.cache.PagedLayerCache; set
+    each call's page tables with ``with_table``). A page holds a whole number of the indexer's key blocks."""
+    cfg = self.config.text
+    if num_pages < 1 or page_size < 1 or page_size % cfg.index_block_size:
+      raise ValueError(f"init_paged_caches needs num_pages >= 1 and page_size a multiple of the index block "
+                       f"({cfg.index_block_size}), got num_pages={num_pages}, page_size={page_size}")
+    kv_heads = cfg.num_kv_heads * sharding.head_replication(cfg.num_kv_heads)
+    return tuple(PagedLayerCache.zeros(num_pages, page_size, kv_heads, cfg.head_dim,
+                                       cfg.index_head_dim if kind == "sparse" else None, dtype or self.dtype)
+                 for kind in cfg.attention_types)
 
   @sharding.uses_model_plan
   def init_mtp_caches(self, batch: int, max_length: int, dtype: jnp.dtype | None = None) -> tuple[LayerCache, ...]:
@@ -310,8 +324,8 @@ def _check_caches(caches: Sequence[LayerCache], num_layers: int, positions: jax.
     raise ValueError(f"got {len(caches)} layer caches for {num_layers} layers")
   b = positions.shape[0]
   for i, c in enumerate(caches):
-    if c.k.shape[0] != b:
-      raise ValueError(f"layer {i}'s cache holds {c.k.shape[0]} sequences but the input has {b} "
+    if c.batch != b:
+      raise ValueError(f"layer {i}'s cache holds {c.batch} sequences but the input has {b} "
                        f"(init_caches(batch={b}, ...))")
   if not isinstance(positions, jax.core.Tracer) and positions.size:
     lo, hi, length = int(jnp.min(positions)), int(jnp.max(positions)), caches[0].max_length

@@ -45,7 +45,7 @@ class StaticEngine(Engine):
 
   def _admit(self):
     if all(s is None for s in self._slots):
-      yield from super()._admit()
+      super()._admit()
 
 
 def run(engine_cls, model, requests, slots: int, steps_per_call: int, max_length: int

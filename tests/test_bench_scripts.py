@@ -479,6 +479,25 @@ def test_bench_engine_smoke(tmp_path):
   assert r["static"]["decode_steps"] >= r["engine"]["decode_steps"] > 0 and r["speedup"] > 0
 
 
+@pytest.mark.slow
+def test_bench_serving_smoke(tmp_path):
+  out = tmp_path / "serving.json"
+  run_script("scripts/bench_serving.py", "--smoke", "--kernels", "reference", "--out", str(out))
+  r = json.loads(out.read_text())
+  t = r["throughput"]
+  assert t["check_equal"] == [True] * 4  # fp32: the paged engine's greedy tokens are the slot engine's
+  assert t["slot"]["useful_tok_s"] > 0 and t["paged"]["useful_tok_s"] > 0 and t["ratio"] > 0
+  assert r["prefix"]["prefix_hit_tokens"] == 2 * 64  # each pass's second request read the 64-token prefix
+  lp = r["long_prompt"]
+  # 96 tokens in chunks of 32: the runners decode between the paged engine's prefill calls.
+  assert lp["paged"]["during_updates"] >= 3 and lp["paged"]["ratio"] > 0 and lp["slot"]["before_s"] > 0
+  assert lp["paged_chunk16"]["during_updates"] > lp["paged_chunk32"]["during_updates"]  # smaller chunks, more steps
+  a = r["attention"]
+  assert a["max_abs_diff"] == 0.0  # the pages are the rows (fp32 references)
+  assert a["sparse_layer"]["paged_s"] > 0 and a["full_layer"]["ratio"] > 0
+  assert set(r["targets_met"]) == {"throughput", "prefix", "long_prompt", "attention"}
+
+
 def test_bench_engine_gap_is_the_logprob_difference_at_the_first_difference():
   """_gap scores both tokens after the shared prefix: 0 for the same token, else |log p(a) - log p(b)| as
   token_logprobs gives them for the two sequences."""

@@ -75,7 +75,7 @@ def test_bad_requests_fail_at_submit(model):
     engine.submit([1, 2.5], max_new_tokens=5, request_id="f")
   with pytest.raises(ValueError, match=r"eos_token_ids outside \[0, 256\): \[256\]"):
     Engine(model, slots=1, max_length=64, eos_token_ids=[256])
-  with pytest.raises(ValueError, match="slots must be >= 1"):
+  with pytest.raises(ValueError, match=r"max_seqs \(formerly slots\) must be >= 1"):
     Engine(model, slots=0, max_length=64)
   with pytest.raises(ValueError, match="max_length must be in"):
     Engine(model, slots=1, max_length=10**6)
@@ -243,7 +243,7 @@ def test_a_parameter_that_does_not_fit_int32_fails_its_request_alone(model, ids)
   engine = Engine(model, slots=2, max_length=256, eos_token_ids=(), steps_per_call=3)
   engine.submit(ids[0, :50].tolist(), max_new_tokens=4, request_id="bad", temperature=1.0, top_k=5)
   engine.submit(ids[1, :50].tolist(), max_new_tokens=5, request_id="good")
-  object.__setattr__(engine._waiting[0][3], "top_k", 2**31)  # pylint: disable=protected-access
+  object.__setattr__(engine._waiting[0].sampling, "top_k", 2**31)  # pylint: disable=protected-access
   done = {c.request_id: c for c in engine.run()}
   assert done["bad"].finish_reason == "error" and "2147483648 out of bounds for int32" in done["bad"].error
   assert done["good"].tokens.tolist() == _alone(model, ids[1, :50].tolist(), 5, ())
@@ -278,7 +278,7 @@ def test_a_failed_decode_call_fails_its_requests_and_lost_state_is_rebuilt(model
   assert engine.broken is None
   # When the state cannot be rebuilt either, the engine says it is broken instead of failing each request.
   calls.clear()
-  monkeypatch.setattr(Decoder, "init_caches", lambda self, *a: (_ for _ in ()).throw(MemoryError("no memory")))
+  monkeypatch.setattr(Decoder, "init_paged_caches", lambda self, *a: (_ for _ in ()).throw(MemoryError("no memory")))
   engine.submit(prompts["a"].tolist(), max_new_tokens=6, request_id="d")
   with pytest.raises(EngineBroken, match="could not be rebuilt .*MemoryError: no memory"):
     list(engine.run())

@@ -382,7 +382,7 @@ def test_health_reports_an_engine_that_cannot_serve(served, monkeypatch):
   try:
     assert _health(url) == (200, {"status": "ok"})
     monkeypatch.setattr(engine_module, "_steps_jit", steps)
-    monkeypatch.setattr(Decoder, "init_caches", lambda self, *a: (_ for _ in ()).throw(MemoryError("no memory")))
+    monkeypatch.setattr(Decoder, "init_paged_caches", lambda self, *a: (_ for _ in ()).throw(MemoryError("no memory")))
     with pytest.raises(urllib.error.HTTPError) as e:
       _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
     assert e.value.code == 500 and "simulated device fault" in json.loads(e.value.read())["error"]["message"]

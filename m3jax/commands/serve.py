@@ -23,12 +23,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p.add_argument("--port", type=int, default=8000)
   p.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
   p.add_argument("--max-length", type=int, default=8192, help="prompt + completion tokens per request (default 8192)")
+  p.add_argument("--cache-tokens", type=int, default=None, metavar="N",
+                 help="KV cache size in tokens, paged and shared by all requests (default: --slots x --max-length)")
   p.add_argument("--temperature", type=float, default=0.0, help="default for requests that set none; 0 = greedy (default)")
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--steps-per-call", type=int, default=4, help="decode steps per device call (default 4)")
-  p.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="as in m3jax generate")
+  p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                 help="prompt tokens prefilled per engine step, between decode calls (a power of two; default 2048)")
   p.add_argument("--max-logprobs", type=int, default=5,
                  help="most alternatives per token a request may ask log-probabilities for (default 5; -1 turns "
                       "log-probabilities off, saving a log-softmax over the vocabulary per decode step)")
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
   try:
     model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
     eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, model.config.text.vocab_size)
-    engine = Engine(model, slots=args.slots,
+    engine = Engine(model, slots=args.slots, max_tokens_in_cache=args.cache_tokens,
                     max_length=min(args.max_length, model.config.text.max_position_embeddings),
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from m3jax import logical_axes as ax
-from m3jax.cache import LayerCache
+from m3jax.cache import LayerCache, PagedLayerCache
 from m3jax.config import TextConfig
 from m3jax.layers.norms import RMSNorm
 from m3jax.layers.fused_quantized import FusedQuantizedWeights, fuse_quantized, project_fused_quantized
@@ -117,7 +117,8 @@ class Attention(nnx.Module):
     """x [B,S,H], positions int32 [B,S], cos/sin fp32 [B,S,rotary] -> ([B,S,H], updated cache, record).
 
     Without a cache the keys are this call's tokens, so positions must be 0..S-1 in every row. With a
-    cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache.
+    cache, new K/V (and index keys) are written at ``positions`` and attention reads the whole cache (a
+    ``PagedLayerCache`` through its page table).
     ``record`` holds what ``collect`` asks for (m3jax.research); empty by default. ``projection``: this
     layer's ``fused_weights()``, built once outside a decode loop; without it bf16 / fp32 weights are fused here
     and fp8 ones project one by one (a prefill is compute-bound: a per-call copy of the fp8 weights would not pay).
@@ -143,19 +144,27 @@ class Attention(nnx.Module):
     if r > 1:  # KV group g becomes heads g*r .. g*r+r-1: same GQA grouping, one head (or more) per rank
       k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
       idx_q = None if idx_q is None else jnp.repeat(idx_q, r, axis=2)
+    page_table = None
     if cache is not None:
       cache = cache.write(positions, k, v, idx_k)
       k, v, idx_k = cache.k, cache.v, cache.idx_k
+      if isinstance(cache, PagedLayerCache):
+        if collect is not None:  # the research records read rows
+          rows = cache.contiguous()
+          k, v, idx_k = rows.k, rows.v, rows.idx_k
+        else:
+          page_table = cache.page_table
     scale = self.head_dim ** -0.5
     block_ids = None
     if self.indexer is None or dense_attention:
-      out = attention_ops.causal_attention(q, k, v, positions, scale=scale, kernels=self.kernels)
+      out = attention_ops.causal_attention(q, k, v, positions, scale=scale, kernels=self.kernels,
+                                           page_table=page_table)
     else:
       block_ids = indexer_ops.indexer_topk(
           idx_q, idx_k, positions, block_size=self.block_size, topk=self.topk,
-          local_blocks=self.local_blocks, init_blocks=self.init_blocks, kernels=self.kernels)
+          local_blocks=self.local_blocks, init_blocks=self.init_blocks, kernels=self.kernels, page_table=page_table)
       out = attention_ops.sparse_attention(q, k, v, block_ids, positions, block_size=self.block_size,
-                                           scale=scale, kernels=self.kernels)
+                                           scale=scale, kernels=self.kernels, page_table=page_table)
     record = {} if collect is None else self._record(
         collect, q, k[:, :, ::r], None if idx_q is None else idx_q[:, :, ::r], idx_k, positions,
         None if block_ids is None else block_ids[:, :, ::r], scale)

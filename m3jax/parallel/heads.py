@@ -28,6 +28,11 @@ def _active() -> ShardingPlan | None:
   return None if plan is None or plan.is_trivial else plan
 
 
+def plan_active() -> bool:
+  """Whether a multi-device sharding plan is active (the ops then run per device under shard_map)."""
+  return _active() is not None
+
+
 def attention(fn: Callable[..., jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, block_ids: jax.Array | None,
               q_positions: jax.Array) -> jax.Array:
   """``fn(q, k, v, [block_ids,] q_positions)`` per device.

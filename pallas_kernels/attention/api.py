@@ -123,12 +123,37 @@ def _merge_splits(o: jax.Array, lse: jax.Array | None) -> jax.Array:
   return out.astype(o.dtype)
 
 
-def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes, check_users, interpret):
+def _check_paged(q, k, v, q_positions, page_table):
+  """As _check_qkv for page pools k, v [P, 128, Nkv, D] read through page_table int [B, n]."""
+  if k.ndim != 4 or k.shape != v.shape or k.shape[1] != KEY_BLOCK:
+    raise NotImplementedError(f"paged attention kernel reads pools [P, {KEY_BLOCK}, Nkv, D]; got {k.shape}, {v.shape}")
+  b = q.shape[0]
+  if page_table.ndim != 2 or page_table.shape[0] != b or not jnp.issubdtype(page_table.dtype, jnp.integer):
+    raise ValueError(f"page_table must be int [B={b}, pages], got {page_table.dtype}{page_table.shape}")
+  _check_qkv(q, jnp.zeros((b, 1, *k.shape[2:]), k.dtype), jnp.zeros((b, 1, *v.shape[2:]), v.dtype), q_positions)
+
+
+def _page_pools(k, v):
+  """Pools [P, 128, Nkv, D] -> [1, P * 128, Nkv, D] (pool block i = page i), the kernels' paged K/V operands."""
+  return k.reshape(1, -1, *k.shape[2:]), v.reshape(1, -1, *v.shape[2:])
+
+
+def _plan_pages(page_table, blocks):
+  """page_table [B, n], plan blocks [B, tiles, G, U] (logical, < n) -> the pool page of each entry [B, tiles, G, U]
+  (a block the sequence has no page for reads page 0: only keys past its end are there, which it never sees)."""
+  table = jnp.broadcast_to(page_table.astype(jnp.int32)[:, None, None, :], (*blocks.shape[:3], page_table.shape[1]))
+  return jnp.maximum(jnp.take_along_axis(table, blocks, axis=-1), 0)
+
+
+def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes, check_users, interpret,
+                page_table=None):
   """Pads each KV group's heads to a multiple of 8, queries to whole tiles and keys to whole blocks, runs the
   kernel, merges splits, unpads.
 
   make_plan(positions, sq_pad, queries_per_tile, compute_wgs, heads_per_group) builds the block lists.
   check_users: the plan is sparse (rows are masked by their query's bit of each entry's user mask).
+  page_table: int32 [B, n] when k, v are page pools [P, 128, Nkv, D]: the plan's logical blocks are read from
+  their pages (the plan is built for n * 128 keys).
   """
   b, sq, nq, d = q.shape
   nkv = k.shape[2]
@@ -143,12 +168,16 @@ def _run_kernel(q, k, v, q_positions, make_plan, list_len, *, scale, block_sizes
   q = jnp.pad(q, [(0, 0), (0, sq_pad - sq), (0, 0), (0, 0)])
   positions = jnp.pad(q_positions.astype(jnp.int32), [(0, 0), (0, sq_pad - sq)], constant_values=-1)
   plan = make_plan(positions, sq_pad, block_sizes.queries_per_tile, block_sizes.compute_wgs, hpg)
-  kp, vp = _pad_keys(k, v)
+  if page_table is None:
+    kp, vp = _pad_keys(k, v)
+    pages = None
+  else:
+    (kp, vp), pages = _page_pools(k, v), _plan_pages(page_table, plan.blocks)
   launch = ws_attention_pallas if block_sizes.compute_wgs == 2 else attention_pallas
   o, lse = launch(
       q, kp, vp, plan, scale=scale, block_sizes=block_sizes,
       check_users=check_users, p_in_smem=block_sizes.p_in_smem,
-      interpret=_interpret_params(interpret),
+      interpret=_interpret_params(interpret), pages=pages,
   )
   o = _merge_splits(o, lse)[:, :sq]
   if hpg * nkv == nq:
@@ -282,6 +311,7 @@ def sparse_attention(
     chunk_size: int = 256,
     interpret: Any = False,
     block_sizes: SparseAttentionBlockSizes | KvMajorBlockSizes | None = None,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Block-sparse GQA attention (M3 "MSA" attend step), Mosaic GPU kernel.
 
@@ -298,16 +328,27 @@ def sparse_attention(
       prefill kernel (compiled, many queries), the KV-major kernel runs instead on selections that
       adjacent queries share too little (prefers_kv_major, decided on the device).
 
+    page_table: int32 [B, n] when k, v are page pools [P, 128, Nkv, D] (pallas_kernels._paging): block i of
+      sequence b is read from pool page page_table[b, i]. Paged calls run the query-major kernels only.
+
   Returns:
     [B, Sq, Nq, D] in q.dtype.
   """
   del chunk_size
-  _check_qkv(q, k, v, q_positions)
+  if block_size != KEY_BLOCK:
+    raise NotImplementedError(f"sparse attention kernel supports block_size={KEY_BLOCK} only, got {block_size}")
+  if page_table is None:
+    _check_qkv(q, k, v, q_positions)
+  else:
+    _check_paged(q, k, v, q_positions, page_table)
   b, sq, _, _ = q.shape
   if block_ids.ndim != 4 or block_ids.shape[:3] != (b, sq, k.shape[2]):
     raise ValueError(f"block_ids must be [B={b}, Sq={sq}, Nkv={k.shape[2]}, T], got {block_ids.shape}")
-  if block_size != KEY_BLOCK:
-    raise NotImplementedError(f"sparse attention kernel supports block_size={KEY_BLOCK} only, got {block_size}")
+  if page_table is not None:
+    if isinstance(block_sizes, KvMajorBlockSizes):
+      raise NotImplementedError("the KV-major kernel does not read page tables")
+    return _paged_sparse(q, k, v, block_ids, q_positions, page_table, scale=scale, block_sizes=block_sizes,
+                         interpret=interpret)
   if isinstance(block_sizes, KvMajorBlockSizes):
     return _run_kv_major(q, k, v, block_ids, q_positions, scale=scale, block_sizes=block_sizes, interpret=interpret)
   hpg = _kernel_heads_per_group(q.shape[2] // k.shape[2])
@@ -328,16 +369,32 @@ def sparse_attention(
   )
 
 
-def _dense_kernel_attention(q, k, v, q_positions, *, scale, block_sizes, interpret):
+def _paged_sparse(q, k, v, block_ids, q_positions, page_table, *, scale, block_sizes, interpret):
+  """sparse_attention over page pools: the query-major kernel (one or two compute warpgroups, as the heuristic
+  picks) with each listed block read from its page."""
+  num_keys = page_table.shape[1] * KEY_BLOCK
+  hpg = _kernel_heads_per_group(q.shape[2] // k.shape[2])
+  queries_per_tile = block_sizes.queries_per_tile if block_sizes else one_warpgroup_queries_per_tile(hpg, q.shape[1])
+  list_len = max(min(block_ids.shape[3] * queries_per_tile, page_table.shape[1]), 1)
+  if block_sizes is None and not interpret:
+    block_sizes = heuristic_block_sizes(q.shape[0], q.shape[1], k.shape[2], hpg, list_len, warp_specialized=True,
+                                        sparse=True)
+  return _run_kernel(q, k, v, q_positions, _sparse_plan_builder(block_ids, num_keys), list_len, scale=scale,
+                     block_sizes=block_sizes, check_users=True, interpret=interpret, page_table=page_table)
+
+
+def _dense_kernel_attention(q, k, v, q_positions, *, scale, block_sizes, interpret, page_table=None):
+  num_keys = k.shape[1] if page_table is None else page_table.shape[1] * KEY_BLOCK
+
   def make_plan(positions, sq_pad, qpt, wgs, heads_per_group):
     return dense_causal_plan(
-        positions, num_keys=k.shape[1], num_kv_heads=k.shape[2], queries_per_tile=qpt,
+        positions, num_keys=num_keys, num_kv_heads=k.shape[2], queries_per_tile=qpt,
         heads_per_group=heads_per_group, compute_wgs=wgs,
     )
 
   return _run_kernel(
-      q, k, v, q_positions, make_plan, -(-k.shape[1] // KEY_BLOCK), scale=scale, block_sizes=block_sizes,
-      check_users=False, interpret=interpret,
+      q, k, v, q_positions, make_plan, -(-num_keys // KEY_BLOCK), scale=scale, block_sizes=block_sizes,
+      check_users=False, interpret=interpret, page_table=page_table,
   )
 
 
@@ -353,6 +410,7 @@ def causal_attention(
     interpret: Any = False,
     block_sizes: SparseAttentionBlockSizes | None = None,
     use_cudnn: bool | None = None,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Dense causal GQA attention: cuDNN for plain prefill, else the block-list kernel over all blocks.
 
@@ -363,11 +421,17 @@ def causal_attention(
     block_sizes: tuning of the Pallas kernel.
     use_cudnn: None = when Sq == Sk on a GPU backend (then q_positions == arange is checked at run
       time and other positions take the Pallas kernel); False = never.
+    page_table: int32 [B, n] when k, v are page pools [P, 128, Nkv, D] (pallas_kernels._paging): block i of
+      sequence b is read from pool page page_table[b, i] (the Pallas kernel, never cuDNN).
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
   """
   del chunk_size
+  if page_table is not None:
+    _check_paged(q, k, v, q_positions, page_table)
+    return _dense_kernel_attention(q, k, v, q_positions, scale=scale, block_sizes=block_sizes, interpret=interpret,
+                                   page_table=page_table)
   _check_qkv(q, k, v, q_positions)
   kernel = functools.partial(_dense_kernel_attention, scale=scale, block_sizes=block_sizes, interpret=interpret)
   if use_cudnn is None:

@@ -65,17 +65,22 @@ def p_times_v(p16, p_smem, v_smem, head_dim: int):
 def _attention_kernel(
     q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
     queries_per_tile: int, heads_per_group: int, num_splits: int, list_per_split: int, stages: int,
-    scale: float, head_dim: int, check_users: bool,
+    scale: float, head_dim: int, check_users: bool, paged: bool = False,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D];
   blocks_ref, users_ref int32 [B, tiles, G, U]; count_ref int32 [B, tiles, G];
   row_limit_ref int32 [B, tiles, 64]; row_bit_ref int32 [64];
+  paged: then pages_ref int32 [B, tiles, G, U] follows (the pool block each listed block is read from) and
+  k_ref, v_ref are the page pools [1, P * 128, Nkv, D];
   outputs: o_ref [S, B, Sq_pad, Nq, D] (+ lse_ref fp32 [S, B, Sq_pad, Nq] when S = num_splits > 1);
   scratch: qo_smem [64, D] (query tile, then output tile), limit_smem, bit_smem int32 [64],
   lse_smem fp32 [64], p_smem [64, 128] (None: P stays in registers as wgmma's A operand), load_barrier.
   """
+  pages_ref = blocks_ref
+  if paged:
+    pages_ref, *refs = refs
   if num_splits > 1:
     o_ref, lse_ref, *refs = refs
   else:
@@ -105,12 +110,14 @@ def _attention_kernel(
   start = split * list_per_split
   stop = jnp.minimum(start + list_per_split, count)
   list_ref = blocks_ref.at[batch, tile, group]
+  pages_list_ref = pages_ref.at[batch, tile, group]
   users_list_ref = users_ref.at[batch, tile, group]
+  kv_batch = 0 if paged else batch
 
   def kv_spec():
     return plgpu.BlockSpec(
         (None, KEY_BLOCK, None, head_dim),
-        lambda i: (batch, list_ref[start + i], group, 0),
+        lambda i: (kv_batch, pages_list_ref[start + i], group, 0),
         transforms=smem_transforms(k_ref.dtype),
     )
 
@@ -181,6 +188,7 @@ def attention_pallas(
     check_users: bool,
     p_in_smem: bool | None = None,
     interpret: Any = False,
+    pages: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Launches the kernel.
 
@@ -192,6 +200,8 @@ def attention_pallas(
       skips the per-block user mask.
     p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode, which cannot
       take wgmma's A operand from registers; by default P stays in registers on the GPU).
+    pages: int32 [B, tiles, G, U], the 128-key block of k / v each plan entry is read from, when k, v are page
+      pools [1, P * 128, Nkv, D] (plan.blocks stay the logical blocks, which the causal mask uses).
 
   Returns:
     (o [S, B, Sq_pad, Nq, D] in q.dtype, lse fp32 [S, B, Sq_pad, Nq] base-2 or None when S == 1).
@@ -213,7 +223,7 @@ def attention_pallas(
   kernel = functools.partial(
       _attention_kernel, queries_per_tile=qpt, heads_per_group=hpg, num_splits=splits,
       list_per_split=list_per_split, stages=block_sizes.kv_stages, scale=scale, head_dim=d,
-      check_users=check_users,
+      check_users=check_users, paged=pages is not None,
   )
   scratch = [
       plgpu.SMEM((ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
@@ -234,5 +244,5 @@ def attention_pallas(
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
       kernel_name=f"m3_attention_q{qpt}_s{block_sizes.kv_stages}_split{splits}",
-  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
+  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit, *(() if pages is None else (pages,)))
   return outs[0], (outs[1] if splits > 1 else None)

@@ -37,15 +37,16 @@ _MEMORY_REGISTERS = 40
 
 
 def _ws_attention_kernel(
-    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, o_ref,
-    qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier, *,
+    q_ref, k_ref, v_ref, blocks_ref, users_ref, count_ref, row_limit_ref, row_bit_ref, *refs,
     queries_per_wg: int, heads_per_group: int, compute_wgs: int, stages: int, scale: float, head_dim: int,
-    check_users: bool, acc_in_place: bool, ping_pong: str,
+    check_users: bool, acc_in_place: bool, ping_pong: str, paged: bool = False,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, Sq_pad, Nq, D]; k_ref, v_ref [B, Sk_pad, Nkv, D]; blocks_ref, users_ref int32 [B, tiles, G, U];
   count_ref int32 [B, tiles, G]; row_limit_ref int32 [B, tiles, W * 64]; row_bit_ref int32 [W * 64];
+  paged: then pages_ref int32 [B, tiles, G, U] follows (the pool block each listed block is read from) and
+  k_ref, v_ref are the page pools [1, P * 128, Nkv, D];
   o_ref [1, B, Sq_pad, Nq, D].
   scratch (smem): qo_smem [W, 64, D] (each warpgroup's query tile, then its output tile); limit_smem,
   bit_smem int32 [W, 64]; p_smem [W, 64, 128] (None: P stays in registers); q_barrier (W barriers);
@@ -53,13 +54,20 @@ def _ws_attention_kernel(
   ping-pong: one's softmax overlaps the other's wgmma) when ping_pong == "every" (see
   SparseAttentionBlockSizes.ping_pong); "off" lets them run unpaired.
   """
+  if paged:
+    pages_ref, o_ref, *refs = refs
+  else:
+    (o_ref, *refs), pages_ref = refs, blocks_ref
+  qo_smem, limit_smem, bit_smem, p_smem, q_barrier, schedule_barrier = refs
   tile = lax.axis_index("tile")
   group = lax.axis_index("group")
   batch = lax.axis_index("batch")
+  kv_batch = 0 if paged else batch
   wg = lax.axis_index("wg")
   first_query = tile * (queries_per_wg * compute_wgs)
   heads = pl.ds(group * heads_per_group, heads_per_group)
   list_ref = blocks_ref.at[batch, tile, group]
+  pages_list_ref = pages_ref.at[batch, tile, group]
   users_list_ref = users_ref.at[batch, tile, group]
   my_mask = (1 << queries_per_wg) - 1
 
@@ -180,7 +188,7 @@ def _ws_attention_kernel(
 
   def kv_spec():
     return plgpu.BlockSpec(
-        (KEY_BLOCK, head_dim), lambda i: (list_ref[i], 0), transforms=smem_transforms(k_ref.dtype)
+        (KEY_BLOCK, head_dim), lambda i: (pages_list_ref[i], 0), transforms=smem_transforms(k_ref.dtype)
     )
 
   pipeline = plgpu.emit_pipeline_warp_specialized(
@@ -194,7 +202,7 @@ def _ws_attention_kernel(
       compute_context=compute_context,
       manual_consumed_barriers=True,
   )
-  pipeline(k_ref.at[batch, :, group, :], v_ref.at[batch, :, group, :])
+  pipeline(k_ref.at[kv_batch, :, group, :], v_ref.at[kv_batch, :, group, :])
 
 
 def ws_attention_pallas(
@@ -208,6 +216,7 @@ def ws_attention_pallas(
     check_users: bool,
     p_in_smem: bool | None = None,
     interpret: Any = False,
+    pages: jax.Array | None = None,
 ) -> tuple[jax.Array, None]:
   """Launches the warp-specialized kernel (block_sizes.compute_wgs == 2).
 
@@ -216,6 +225,8 @@ def ws_attention_pallas(
     plan: TilePlan built with queries_per_tile and compute_wgs of block_sizes.
     check_users: mask each row by its query's bit of the entry's user mask (sparse plans).
     p_in_smem: stage P through shared memory for the P.V wgmma (always in interpret mode).
+    pages: int32 [B, tiles, G, U], the 128-key block of k / v each plan entry is read from, when k, v are page
+      pools [1, P * 128, Nkv, D] (plan.blocks stay the logical blocks, which the causal mask uses).
 
   Returns:
     (o [1, B, Sq_pad, Nq, D] in q.dtype, None): the launch contract of kernel_sm90.attention_pallas.
@@ -237,7 +248,7 @@ def ws_attention_pallas(
       # it). The GPU interpreter runs each simulated warpgroup on a pool thread; its barrier waits block
       # those threads, and with the extra rendezvous per step it deadlocked intermittently on a 2-core CPU
       # (4 CTAs; never on the GPU, where a CTA's warpgroups are co-resident). So it is off when interpreting.
-      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong,
+      acc_in_place=not interpret, ping_pong="off" if interpret else block_sizes.ping_pong, paged=pages is not None,
   )
   scratch = [
       plgpu.SMEM((wgs, ROWS_PER_TILE, d), q.dtype, transforms=smem_transforms(q.dtype)),
@@ -259,5 +270,5 @@ def ws_attention_pallas(
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
       kernel_name=f"m3_attention_ws_q{qpt}_s{block_sizes.kv_stages}",
-  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit)
+  )(q, k, v, plan.blocks, plan.users, plan.count, plan.row_limit, plan.row_bit, *(() if pages is None else (pages,)))
   return o, None

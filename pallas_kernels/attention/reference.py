@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._chunking import chunked_over_queries as _chunked_over_queries
+from pallas_kernels._paging import check_page_table, gather_pages
 
 _NEG_INF = float("-inf")
 
@@ -41,6 +42,14 @@ def _masked_gqa_softmax_attention(q, k, v, allowed, scale):
   return out.reshape(b, c, nq, d).astype(q.dtype)
 
 
+def _read_pages(k, v, page_table, batch):
+  """k, v as contiguous rows [B, Sk, Nkv, D]: gathered through page_table when they are pools."""
+  if page_table is None:
+    return k, v
+  check_page_table(k, page_table, batch)
+  return gather_pages(k, page_table), gather_pages(v, page_table)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size"))
 def causal_attention_reference(
     q: jax.Array,
@@ -50,6 +59,7 @@ def causal_attention_reference(
     *,
     scale: float,
     chunk_size: int = 512,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Dense causal GQA attention.
 
@@ -60,10 +70,13 @@ def causal_attention_reference(
     q_positions: int32 [B, Sq], each query's position in its own sequence.
     scale: softmax scale (D ** -0.5 for M3).
     chunk_size: queries per chunk (memory knob only; results do not depend on it).
+    page_table: int32 [B, n] when k, v are pools of pages [P, page, Nkv, D] (pallas_kernels._paging): sequence
+      b's keys are its pages in table order (Sk = n * page).
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
   """
+  k, v = _read_pages(k, v, page_table, q.shape[0])
   sk = k.shape[1]
   key_pos = jnp.arange(sk, dtype=jnp.int32)
 
@@ -107,6 +120,7 @@ def sparse_attention_reference(
     block_size: int,
     scale: float,
     chunk_size: int = 256,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Block-sparse GQA attention (M3 "MSA" attend step).
 
@@ -121,10 +135,12 @@ def sparse_attention_reference(
     block_size: keys per block (128 for M3).
     scale: softmax scale.
     chunk_size: queries per chunk (memory knob only).
+    page_table: as in causal_attention_reference (block i of sequence b is then its i-th page).
 
   Returns:
     [B, Sq, Nq, D] in q.dtype.
   """
+  k, v = _read_pages(k, v, page_table, q.shape[0])
   sk = k.shape[1]
 
   def chunk_fn(qc, ids, pc):

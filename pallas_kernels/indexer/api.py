@@ -117,6 +117,7 @@ def indexer_topk(
     chunk_size: int = 256,
     interpret: Any = False,
     block_sizes: IndexerBlockSizes | None = None,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Lightning-indexer block selection (Mosaic GPU kernel).
 
@@ -128,18 +129,28 @@ def indexer_topk(
       token-level scores, so it has no memory knob.
     interpret: True (or plgpu.InterpretGPUParams) to run the kernel on CPU in GPU interpret mode.
     block_sizes: optional IndexerBlockSizes; default from heuristic_block_sizes.
+    page_table: int32 [B, n] when idx_k is a page pool [P, 128, Di] (pallas_kernels._paging): key block i of
+      sequence b is read from pool page page_table[b, i] (Sk = n * 128).
 
   Returns:
     int32 [B, Sq, Hi, topk]: selected block ids, left-packed, -1 padded.
   """
   del chunk_size
-  _check_inputs(idx_q, idx_k, q_positions, block_size, topk, local_blocks, init_blocks)
   b, sq, hi, di = idx_q.shape
-  sk = idx_k.shape[1]
+  if page_table is not None:
+    if idx_k.ndim != 3 or idx_k.shape[1] != KEY_BLOCK:
+      raise NotImplementedError(f"paged indexer kernel reads a pool [P, {KEY_BLOCK}, Di]; got {idx_k.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or not jnp.issubdtype(page_table.dtype, jnp.integer):
+      raise ValueError(f"page_table must be int [B={b}, pages], got {page_table.dtype}{page_table.shape}")
+  view = idx_k if page_table is None else jax.ShapeDtypeStruct((b, page_table.shape[1] * KEY_BLOCK, idx_k.shape[2]),
+                                                               idx_k.dtype)
+  _check_inputs(idx_q, view, q_positions, block_size, topk, local_blocks, init_blocks)
+  sk = view.shape[1]
   num_blocks = -(-sk // KEY_BLOCK)
   num_rows = -(-(sq * hi) // ROWS_PER_TILE) * ROWS_PER_TILE
   q_rows = jnp.pad(idx_q.reshape(b, sq * hi, di), [(0, 0), (0, num_rows - sq * hi), (0, 0)])
-  keys = idx_k
+  keys = idx_k if page_table is None else idx_k.reshape(1, -1, idx_k.shape[2])
+  table = None if page_table is None else jnp.maximum(page_table.astype(jnp.int32), 0)
   if sk % KEY_BLOCK:
     keys = jnp.pad(keys, [(0, 0), (0, num_blocks * KEY_BLOCK - sk), (0, 0)])
   if block_sizes is None:
@@ -155,7 +166,7 @@ def indexer_topk(
   limit, qb, tile_blocks = _row_metadata(q_positions, hi, num_rows, sk, num_blocks)
   out = indexer_pallas(
       q_rows, keys, limit, qb, tile_blocks, num_blocks=num_blocks, topk=topk, local_blocks=local_blocks,
-      init_blocks=init_blocks, block_sizes=block_sizes, interpret=_interpret_params(interpret),
+      init_blocks=init_blocks, block_sizes=block_sizes, interpret=_interpret_params(interpret), page_table=table,
   )
   out = jnp.swapaxes(out, 1, 2)[:, : sq * hi].reshape(b, sq, hi, -1)
   if block_sizes.fused_topk:

@@ -74,17 +74,21 @@ def _block_max(q_smem, k_smem, block, row_limit, *, masked: bool):
 
 
 def _indexer_kernel(
-    q_ref, k_ref, limit_ref, qb_ref, tile_blocks_ref, out_ref, q_smem, limit_smem, qb_smem, ids_smem,
-    load_barrier, *, num_tiles: int, blocks_per_split: int, stages: int, topk: int, local_blocks: int,
-    init_blocks: int, fused_topk: bool, head_dim: int,
+    q_ref, k_ref, limit_ref, qb_ref, tile_blocks_ref, *refs, num_tiles: int, blocks_per_split: int, stages: int,
+    topk: int, local_blocks: int, init_blocks: int, fused_topk: bool, head_dim: int, paged: bool = False,
 ):
   """Refs (gmem unless noted):
 
   q_ref [B, R, Di]; k_ref [B, Sk_pad, Di]; limit_ref, qb_ref int32 [B, R];
   tile_blocks_ref int32 [B, num_tiles, 2] = (n_end, n_full);
+  paged: then table_ref int32 [B, nb] follows (the pool block of each logical block) and k_ref is the page pool
+  [1, P * 128, Di];
   out_ref: int32 [B, T, R] (fused_topk) or fp32 [B, nb, R];
   q_smem [64, Di]; limit_smem, qb_smem int32 [64]; ids_smem int32 [T, 64] (fused) or fp32 [2, 64] (scores).
   """
+  if paged:
+    table_ref, *refs = refs
+  out_ref, q_smem, limit_smem, qb_smem, ids_smem, load_barrier = refs
   tile = num_tiles - 1 - lax.axis_index("tile")  # longest (latest) tiles first
   split = lax.axis_index("split")
   batch = lax.axis_index("batch")
@@ -102,8 +106,12 @@ def _indexer_kernel(
   lo = split * blocks_per_split
   hi = jnp.minimum(lo + blocks_per_split, n_end)
   mid = jnp.clip(n_full, lo, hi)  # [lo, mid) unmasked, [mid, hi) masked
+  if paged:
+    k_index = lambda start: lambda i: (0, table_ref[batch, start + i], 0)
+  else:
+    k_index = lambda start: lambda i: (batch, start + i, 0)
   k_spec = lambda start: plgpu.BlockSpec(
-      (None, KEY_BLOCK, head_dim), lambda i: (batch, start + i, 0), transforms=_smem_transforms(k_ref.dtype)
+      (None, KEY_BLOCK, head_dim), k_index(start), transforms=_smem_transforms(k_ref.dtype)
   )
 
   if fused_topk:
@@ -173,6 +181,7 @@ def indexer_pallas(
     init_blocks: int,
     block_sizes: IndexerBlockSizes,
     interpret: Any = False,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Launches the indexer kernel.
 
@@ -185,6 +194,8 @@ def indexer_pallas(
     topk, local_blocks, init_blocks: selection parameters (fused mode only).
     block_sizes: pipeline depth, split-K and mode.
     interpret: False, or plgpu.InterpretGPUParams to run on CPU.
+    page_table: int32 [B, nb] when keys is a page pool [1, P * 128, Di]: logical block i of sequence b is read
+      from pool block page_table[b, i] (>= 0).
 
   Returns:
     int32 [B, T, R] block ids (fused_topk) or fp32 [B, nb, R] block scores (rows of blocks that no
@@ -206,7 +217,7 @@ def indexer_pallas(
   kernel = functools.partial(
       _indexer_kernel, num_tiles=num_tiles, blocks_per_split=blocks_per_split,
       stages=block_sizes.kv_stages, topk=topk, local_blocks=local_blocks, init_blocks=init_blocks,
-      fused_topk=fused, head_dim=head_dim,
+      fused_topk=fused, head_dim=head_dim, paged=page_table is not None,
   )
   scratch = [
       plgpu.SMEM((ROWS_PER_TILE, head_dim), q_rows.dtype, transforms=_smem_transforms(q_rows.dtype)),
@@ -226,4 +237,4 @@ def indexer_pallas(
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
       kernel_name=f"m3_indexer_{'topk' if fused else 'scores'}_s{block_sizes.kv_stages}",
-  )(q_rows, keys, row_limit, row_qb, tile_blocks)
+  )(q_rows, keys, row_limit, row_qb, tile_blocks, *(() if page_table is None else (page_table,)))

@@ -18,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._paging import check_page_table, gather_pages
 from pallas_kernels._chunking import chunked_over_queries as _chunked_over_queries
 
 _NEG_INF = float("-inf")
@@ -97,6 +98,7 @@ def indexer_topk_reference(
     local_blocks: int,
     init_blocks: int = 0,
     chunk_size: int = 256,
+    page_table: jax.Array | None = None,
 ) -> jax.Array:
   """Lightning-indexer block selection, processed in query chunks (memory O(chunk x Sk)).
 
@@ -104,10 +106,16 @@ def indexer_topk_reference(
     idx_q: [B, Sq, Hi, Di]; idx_k: [B, Sk, Di]; q_positions: int32 [B, Sq].
     block_size, topk, local_blocks, init_blocks: selection parameters (module docstring).
     chunk_size: queries per chunk (memory knob only).
+    page_table: int32 [B, n] when idx_k is a pool of pages [P, page, Di] (pallas_kernels._paging): sequence b's
+      keys are its pages in table order (Sk = n * page).
 
   Returns:
     int32 [B, Sq, Hi, topk] selected block ids (left-packed, -1 padded).
   """
+
+  if page_table is not None:
+    check_page_table(idx_k, page_table, idx_q.shape[0])
+    idx_k = gather_pages(idx_k, page_table)
 
   def chunk_fn(qc, pc):
     scores = index_block_scores_reference(qc, idx_k, pc, block_size=block_size)

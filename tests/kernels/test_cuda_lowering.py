@@ -166,6 +166,31 @@ def test_causal_attention_kernel_lowers(dims: Dims, batch: int, new: int, cached
       lambda *a: causal_attention(*a, scale=HEAD_DIM ** -0.5, use_cudnn=False), *args))
 
 
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("batch,new,cached", CALLS[1:])
+def test_paged_kernels_lower(dims: Dims, batch: int, new: int, cached: int):
+  """The paged read path (the engine's page pools, m3jax.cache.PagedLayerCache): the indexer, the sparse attention
+  (at full dims a prefill chunk on the warp-specialized kernel, decode on the one-warpgroup kernel) and the dense
+  layers' causal attention, each reading its key blocks through a page table."""
+  pages = -(-(cached + new) // BLOCK)
+  pool = batch * pages + 3
+  table = _spec((batch, pages), jnp.int32)
+  q, positions = _spec((batch, new, dims.q_heads, HEAD_DIM)), _positions(batch, new)
+  kv = _spec((pool, BLOCK, dims.kv_heads, HEAD_DIM))
+  _assert_mosaic(_lower_for_cuda(
+      lambda a, k, p, t: indexer_topk(a, k, p, block_size=BLOCK, topk=TOP_BLOCKS, local_blocks=1, page_table=t),
+      _spec((batch, new, dims.index_heads, HEAD_DIM)), _spec((pool, BLOCK, HEAD_DIM)), positions, table))
+  ids = _spec((batch, new, dims.kv_heads, TOP_BLOCKS), jnp.int32)
+  text = _lower_for_cuda(lambda *a: sparse_attention(*a[:5], block_size=BLOCK, scale=HEAD_DIM ** -0.5,
+                                                     page_table=a[5]), q, kv, kv, ids, positions, table)
+  _assert_mosaic(text)
+  assert "kv_major" not in text
+  if dims is FULL:  # the heuristic's warp-specialized kernel for a chunk of many queries, one warpgroup to decode
+    assert ("m3_attention_ws" in text) == (new > 1)
+  _assert_mosaic(_lower_for_cuda(lambda *a: causal_attention(*a[:4], scale=HEAD_DIM ** -0.5, page_table=a[4]),
+                                 q, kv, kv, positions, table))
+
+
 def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
   """A decode step and a prefill of one GPU's 8-way slice (real widths, 1 dense + 3 sparse MoE layers) with
   M3JAX_KERNELS=pallas lower for CUDA with every op on its kernel (none fell back to a reference)."""
@@ -181,6 +206,39 @@ def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
   assert steps["decode"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["decode"]
   assert steps["prefill"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["prefill"]
   # The same on the 8-device meshes, kernels inside shard_map: tests/test_sharding.py (cuda_lowering worker).
+
+
+def test_engine_paged_steps_lower_to_mosaic_gpu(monkeypatch):
+  """The engine's decode call and prefill chunk over page pools (m3jax.engine, same 8-way slice as above) lower
+  for CUDA with every op on its kernel: the paged read path takes no reference fallback."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from kernel_modes import lowered_kernel_kinds  # pylint: disable=g-import-not-at-top
+  from m3jax.engine import _admit_jit, _steps_jit  # pylint: disable=g-import-not-at-top
+  from m3jax.generate import Decoder, _decode_weights_jit  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
+  text_cfg = dataclasses.replace(
+      m3_full().text, num_layers=4, attention_types=("full",) + ("sparse",) * 3, mlp_types=("dense",) + ("moe",) * 3,
+      num_heads=TP8.q_heads, num_kv_heads=TP8.kv_heads, index_num_heads=TP8.index_heads,
+      intermediate_size=TP8.expert_width, shared_intermediate_size=TP8.expert_width, dense_intermediate_size=1536,
+      vocab_size=25008)
+  model = nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
+  d = Decoder.of(model)
+  pools = jax.eval_shape(lambda: model.init_paged_caches(64, BLOCK))
+  weights = jax.eval_shape(functools.partial(_decode_weights_jit, d.graph), d.params)
+  rows, width, i32, f32 = 4, 32, jnp.int32, jnp.float32
+  logits = _spec((rows, text_cfg.vocab_size), f32)
+
+  def lowered(fn, *args, **kwargs):
+    return lowered_kernel_kinds(fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text())
+
+  decode = lowered(_steps_jit, d.graph, d.params, weights, logits, pools, _spec((rows, width), i32),
+                   _spec((rows,), i32), _spec((rows,), i32), _spec((rows,), f32), _spec((rows,), i32),
+                   _spec((rows,), f32), num_steps=2, top_logprobs=-1)
+  prefill = lowered(_admit_jit, d.graph, d.params, _spec((1, 256), i32), _spec((1,), i32), _spec((1,), i32),
+                    _spec((1,), i32), _spec((1, width), i32), logits, pools)
+  assert decode == {"attention": 2, "indexer": 1, "moe": 2}, decode
+  assert prefill == {"attention": 2, "indexer": 1, "moe": 2}, prefill
 
 
 # fp8 (QuantizedWeight) kernels: MXFP8 (the release format) and FP8-block weights in the checkpoint orientation.
