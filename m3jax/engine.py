@@ -308,13 +308,14 @@ class Engine:
       self._cancelled.add(request_id)
 
   def serving_stats(self) -> dict[str, int]:
-    """Live counts for a server's metrics (m3jax.metrics): requests "waiting" and "running", and the cache
-    "cache_slots_used" / "cache_slots_total". (A paged engine adds "cache_pages_used" / "cache_pages_total" and
-    "prefix_cache_queries" / "prefix_cache_hits", in prompt tokens.)"""
-    with self._lock:
-      waiting = len(self._waiting)
-    running = sum(s is not None for s in self._slots)
-    return {"waiting": waiting, "running": running, "cache_slots_used": running, "cache_slots_total": len(self._slots)}
+    """Live counts for a server's metrics (m3jax.metrics), from ``stats``: requests "waiting" and "running", the
+    sequence rows "cache_slots_used" / "cache_slots_total", the pool's "cache_pages_used" / "cache_pages_total",
+    and "prefix_cache_queries" / "prefix_cache_hits" (prompt tokens looked up / found in the prefix cache)."""
+    st = self.stats()
+    return {"waiting": st.waiting, "running": st.running, "cache_slots_used": st.running,
+            "cache_slots_total": len(self._rows), "cache_pages_used": st.pages_in_use,
+            "cache_pages_total": st.pages_total, "prefix_cache_queries": st.prefix_query_tokens,
+            "prefix_cache_hits": st.prefix_hit_tokens}
 
   def run(self) -> Iterator[Completion]:
     """Runs every submitted request (and those submitted meanwhile) to completion, yielding each one as it ends."""

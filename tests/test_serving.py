@@ -603,7 +603,18 @@ def test_metrics_and_the_request_log(served, caplog):
   assert after['m3jax_time_to_first_token_seconds_bucket{le="+Inf"}'] == after[
       "m3jax_time_to_first_token_seconds_count"]
   assert after["m3jax_cache_slots_total"] == 2 and after["m3jax_cache_slots_used"] == 0
-  assert after["m3jax_requests_waiting"] == 0 and after["m3jax_prefix_cache_hit_rate"] == 0
+  assert after["m3jax_requests_waiting"] == 0 and after["m3jax_cache_pages_total"] > 0
+  # The paged engine's prefix cache: a prompt of two full pages sent twice is found there the second time.
+  page = served["engine"].page_size
+  prompt = [(7 * i) % 200 + 10 for i in range(2 * page + 3)]
+  for _ in range(2):
+    _post(served["url"] + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+  last = metrics()
+  hits = last["m3jax_prefix_cache_hits_total"] - after["m3jax_prefix_cache_hits_total"]
+  queries = last["m3jax_prefix_cache_queries_total"] - after["m3jax_prefix_cache_queries_total"]
+  assert hits == 2 * page and queries >= hits, (hits, queries)
+  assert last["m3jax_prefix_cache_hit_rate"] == pytest.approx(
+      last["m3jax_prefix_cache_hits_total"] / last["m3jax_prefix_cache_queries_total"])
 
 
 @pytest.mark.quick
