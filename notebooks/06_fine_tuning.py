@@ -22,8 +22,8 @@
 # (docs/training.md).
 #
 # This notebook trains a tiny M3 (two layers: full attention + dense MLP, sparse attention + MoE, and an MTP
-# module; 0.34 M parameters) on this repository's README for a hundred steps (about 30 passes over its ~3K
-# tokens: it learns them by heart), then fine-tunes the result on another text (docs/training.md), and plots the loss curves. A CPU does both in a minute or two. The same
+# module; 0.34 M parameters) on this repository's README for a hundred steps of 4 rows (about 17 passes over its ~3K
+# tokens: it learns them by heart), then fine-tunes the result on another text (docs/training.md), and plots the loss curves. A CPU does both in about a minute. The same
 # `init_from` fine-tunes the packaged small trained M3 (`m3jax.demo.trained_demo_checkpoint()`, 7 M parameters),
 # only more slowly on a CPU.
 
@@ -57,7 +57,7 @@ config = dataclasses.replace(tiny, text=dataclasses.replace(
 
 # %%
 pretrain = train(config, pretrain_text, work / "pretrain", TrainConfig(
-    steps=100, batch=8, seq_len=128, learning_rate=3e-3, warmup_steps=10, indexer_warmup_steps=30, eval_every=25,
+    steps=100, batch=4, seq_len=128, learning_rate=3e-3, warmup_steps=10, indexer_warmup_steps=30, eval_every=25,
     eval_batches=2, checkpoint_every=100, holdout_fraction=0.1, compute_dtype="float32", save_dtype="float32",
     router_bias_rate=1e-2, progress=False))
 print(f"{pretrain.params:,} parameters, {pretrain.train_tokens:,} training tokens; validation loss "
@@ -71,7 +71,7 @@ print(f"{pretrain.params:,} parameters, {pretrain.train_tokens:,} training token
 
 # %%
 finetune = train(None, finetune_text, work / "finetune", TrainConfig(
-    init_from=pretrain.model_dir, steps=60, batch=8, seq_len=128, learning_rate=1e-3, warmup_steps=5,
+    init_from=pretrain.model_dir, steps=60, batch=4, seq_len=128, learning_rate=1e-3, warmup_steps=5,
     indexer_warmup_steps=0, eval_every=10, eval_batches=2, checkpoint_every=60, holdout_fraction=0.1,
     compute_dtype="float32", save_dtype="float32", router_bias_rate=1e-2, progress=False))
 print(f"fine-tuned: validation loss {finetune.val_loss:.3f} (perplexity {finetune.val_ppl:.1f})")

@@ -235,8 +235,13 @@ def test_vision_tower_data_parallel_over_images_matches():
 EVERY_PATH_MESHES = ("data=2,tensor=4", "expert=4,tensor=2+sp")
 
 
+# expert=4,tensor=2 without +sp is left out: its decode steps are the +sp plan's (one token does not divide, so
+# RULES_SP falls back to RULES' layout), and its prefill, one-shot and chunked, is test_sharded_forward's.
+GENERATE_MESHES = [m for m in MESHES if m != "expert=4,tensor=2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("meshes", [MESHES[:3], MESHES[3:]])
+@pytest.mark.parametrize("meshes", [GENERATE_MESHES[:3], GENERATE_MESHES[3:]])
 def test_sharded_greedy_generation_matches(meshes):
   result = run_worker("generate", "legacy_b128", *(f"*{m}" if m in EVERY_PATH_MESHES else m for m in meshes))
   for mesh in meshes:
