@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import jax
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench_common import timed_ms
 from bench_generate import slice_config
 from m3jax.engine import Engine
 from m3jax.model import M3ForCausalLM
@@ -185,16 +185,6 @@ def long_prompt(model, args, result) -> None:
   _emit(result, "long_prompt", out)
 
 
-def _median_time(fn, *xs, reps: int) -> float:
-  jax.block_until_ready(fn(*xs))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*xs))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def attention(model, args, result) -> None:
   cfg = model.config.text
   b, ctx, page = args.attn_batch, args.attn_context, cfg.index_block_size
@@ -242,7 +232,8 @@ def attention(model, args, result) -> None:
       ("sparse_layer", sparse, (q, k, v, idx_q, idx_k, positions, none),
        (q, k_pool, v_pool, idx_q, idx_pool, positions, table)),
       ("full_layer", causal, (q, k, v, positions, none), (q, k_pool, v_pool, positions, table))):
-    t_contiguous, t_paged = _median_time(fn, *contiguous, reps=reps), _median_time(fn, *paged, reps=reps)
+    t_contiguous, t_paged = (timed_ms(fn, *contiguous, repeats=reps) / 1e3,
+                            timed_ms(fn, *paged, repeats=reps) / 1e3)
     out[name] = {"contiguous_s": t_contiguous, "paged_s": t_paged, "ratio": t_paged / t_contiguous}
   _emit(result, "attention", out)
 

@@ -191,16 +191,21 @@ def test_paged_kernels_lower(dims: Dims, batch: int, new: int, cached: int):
                                  q, kv, kv, positions, table))
 
 
-def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
-  """A decode step and a prefill of one GPU's 8-way slice (real widths, 1 dense + 3 sparse MoE layers) with
-  M3JAX_KERNELS=pallas lower for CUDA with every op on its kernel (none fell back to a reference)."""
-  monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)  # compiled kernels, as on a GPU backend
+def _tp8_slice_model():
+  """One GPU's 8-way slice of M3 (real widths, 1 dense + 3 sparse MoE layers) on the kernels, as shapes only."""
   text_cfg = dataclasses.replace(
       m3_full().text, num_layers=4, attention_types=("full",) + ("sparse",) * 3, mlp_types=("dense",) + ("moe",) * 3,
       num_heads=TP8.q_heads, num_kv_heads=TP8.kv_heads, index_num_heads=TP8.index_heads,
       intermediate_size=TP8.expert_width, shared_intermediate_size=TP8.expert_width, dense_intermediate_size=1536,
       vocab_size=25008)
-  model = nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
+  return nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
+
+
+def test_model_steps_lower_to_mosaic_gpu(monkeypatch):
+  """A decode step and a prefill of one GPU's 8-way slice (real widths, 1 dense + 3 sparse MoE layers) with
+  M3JAX_KERNELS=pallas lower for CUDA with every op on its kernel (none fell back to a reference)."""
+  monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)  # compiled kernels, as on a GPU backend
+  model = _tp8_slice_model()
   steps = lowered_step_kernels(model, decode_batch=4, prefill_batch=1)
   # the dense layer's and the sparse layers' attention, the indexer, the MoE gate/up and down GEMMs
   assert steps["decode"] == {"attention": 2, "indexer": 1, "moe": 2}, steps["decode"]
@@ -217,17 +222,12 @@ def test_engine_paged_steps_lower_to_mosaic_gpu(monkeypatch):
   from m3jax.generate import Decoder, _decode_weights_jit  # pylint: disable=g-import-not-at-top
 
   monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)
-  text_cfg = dataclasses.replace(
-      m3_full().text, num_layers=4, attention_types=("full",) + ("sparse",) * 3, mlp_types=("dense",) + ("moe",) * 3,
-      num_heads=TP8.q_heads, num_kv_heads=TP8.kv_heads, index_num_heads=TP8.index_heads,
-      intermediate_size=TP8.expert_width, shared_intermediate_size=TP8.expert_width, dense_intermediate_size=1536,
-      vocab_size=25008)
-  model = nnx.eval_shape(lambda: M3ForCausalLM(M3Config(text=text_cfg), dtype=jnp.bfloat16, kernels="pallas"))
+  model = _tp8_slice_model()
   d = Decoder.of(model)
   pools = jax.eval_shape(lambda: model.init_paged_caches(64, BLOCK))
   weights = jax.eval_shape(functools.partial(_decode_weights_jit, d.graph), d.params)
   rows, width, i32, f32 = 4, 32, jnp.int32, jnp.float32
-  logits = _spec((rows, text_cfg.vocab_size), f32)
+  logits = _spec((rows, model.config.text.vocab_size), f32)
 
   def lowered(fn, *args, **kwargs):
     return lowered_kernel_kinds(fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text())
