@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from m3jax.model import M3ForCausalLM
 from m3jax.paging import PagePool, page_digests
 from m3jax.sampling import SamplingParams, sample_rows
 from m3jax.token_ids import check_count, check_no_placeholders, is_token_id, resolve_stop_ids, token_list
+
+if TYPE_CHECKING:
+  from m3jax.engine_conversation import EngineConversation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +339,15 @@ class Engine:
     embeds = np.asarray(prompt_embeds)[0].astype(self._embed_dtype)
     keys = content_keys(ids, prompt_embeds, self._media_ids)
     return embeds, (None if keys == ids else keys)
+
+  def conversation(self, *, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   seed: int = 0) -> EngineConversation:
+    """A multi-turn conversation whose turns run on this engine and read the full pages of earlier turns (and of
+    other conversations or requests sharing them, e.g. a system prompt) from its prefix cache
+    (m3jax.engine_conversation)."""
+    from m3jax.engine_conversation import EngineConversation  # pylint: disable=g-import-not-at-top
+
+    return EngineConversation(self, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
   def cancel(self, request_id: Any) -> None:
     """Stops a request at the next call boundary: a waiting one is never admitted, a running one's pages are freed
