@@ -3,7 +3,9 @@
 ``generate`` decodes a batch until its longest sequence is done; here a request that has stopped (a stop token, or
 its own ``max_new_tokens``) leaves the decode batch at once and the next waiting one takes its row. The KV cache is
 a pool of pages (m3jax.cache.PagedLayerCache) that requests take as they grow and give back when they end (m3jax.paging
-keeps the books, and full pages for prefix reuse); prompts are prefilled in chunks between decode calls. Rows not
+keeps the books, and full pages for prefix reuse); prompts are prefilled in chunks between decode calls. Prompts
+holding images or videos come with their embeddings (``submit(prompt_embeds=...)``), and their pages' prefix keys
+with a fingerprint of each placeholder's embedding (m3jax.content_keys). Rows not
 decoding run in the decode call too (static shapes, one compile), writing nowhere. Each request samples with its
 own temperature / top-k / top-p and seed, drawing token t with a key made from the seed and t's position, so a
 sampled request's tokens do not depend on the schedule (preemptions included) or on the other requests (tested);
@@ -163,8 +165,9 @@ class Engine:
   it had) when pages free up; a request that fits the pool alone is never refused for lack of pages.
 
   Full pages are kept for prefix reuse (``prefix_caching``): a request whose prompt starts with the tokens of
-  cached pages (the chain of their tokens, m3jax.paging) reads them instead of prefilling them; unheld cached pages
-  are evicted least recently released first when the pool needs pages.
+  cached pages (the chain of their tokens, m3jax.paging; at image / video placeholders, of their embeddings'
+  fingerprints) reads them instead of prefilling them; unheld cached pages are evicted least recently released
+  first when the pool needs pages. ``conversation()`` runs multi-turn conversations on them.
 
   Prompts are prefilled in chunks: each engine step prefills at most ``prefill_chunk`` prompt tokens (of one
   request or several) and then runs one decode call of the running requests, so a long prompt does not stall
