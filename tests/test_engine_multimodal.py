@@ -82,18 +82,18 @@ def test_image_prompts_equal_generate_and_reuse_pages_only_where_the_images_matc
 def test_a_preempted_image_request_is_recomputed_with_its_embeddings(vl, inputs):
   prompt, pixels, _ = inputs
   embeds = vl.embed_multimodal(np.asarray([prompt]), **pixels)
-  # 16 pages. The text request (20 + 60 tokens) is older; the image request (194 + 20) needs its 14th page after
+  # 16 pages. The text request (20 + 30 tokens) is older; the image request (194 + 20) needs its 14th page after
   # 13 tokens, when the text request holds 3: it is the newest, so it is preempted and waits with its tokens, to
   # be recomputed (its prompt from its embeddings, then its tokens) once the text request is done.
   engine = Engine(vl, max_seqs=2, max_tokens_in_cache=16 * 16, eos_token_ids=(), steps_per_call=2,
                   prefix_caching=False)
   text = prompt[:10] + [7] * 10
-  engine.submit(text, max_new_tokens=60, request_id="text")
+  engine.submit(text, max_new_tokens=30, request_id="text")
   engine.submit(prompt, max_new_tokens=20, request_id="image", prompt_embeds=embeds)
   done = _run(engine)
   assert engine.preemptions >= 1
   assert done["image"].tokens.tolist() == _alone(vl, prompt, 20, embeds)
-  assert done["text"].tokens.tolist() == _alone(vl, text, 60)
+  assert done["text"].tokens.tolist() == _alone(vl, text, 30)
 
 
 @pytest.mark.quick
