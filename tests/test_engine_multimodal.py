@@ -1,6 +1,7 @@
 """The paged engine on image / video prompts (``submit(prompt_embeds=...)``): greedy tokens equal generate() with the
-same embeddings, also prefilled in chunks beside a text request; the prefix cache serves an image's pages to a
-request with the same image only (their keys hold the placeholder rows' fingerprints). The tiny vision checkpoint's
+same embeddings, also prefilled in chunks beside a text request or recomputed after a preemption; the prefix cache
+serves an image's pages to requests and conversation turns with the same image only (their keys hold the
+placeholder rows' fingerprints). The tiny vision checkpoint's
 index block (16 tokens) is the page size; its 194-token prompt holds images from position 17 on."""
 
 import numpy as np
@@ -77,6 +78,16 @@ def test_image_prompts_equal_generate_and_reuse_pages_only_where_the_images_matc
   fresh.submit(prompt, max_new_tokens=6, request_id="fresh", prompt_embeds=embeds3)
   np.testing.assert_allclose(swapped.logprobs, _run(fresh)["fresh"].logprobs, atol=1e-5)
   assert np.abs(swapped.logprobs - done["image"].logprobs).max() > 1e-3
+
+  # A conversation on the engine: turn 1 (the first images) reads their cached pages; turn 2 re-renders turn 1, and
+  # its reply fills the 13th page, read from the cache too.
+  conv = engine.conversation()
+  reply = np.concatenate(list(conv.reply(prompt, max_new_tokens=14, prompt_embeds=embeds))).tolist()
+  assert reply == _alone(vl, prompt, 14, embeds) and conv.last_turn.reused == 12 * 16
+  turn2 = prompt + reply + [7, 8, 9, 10, 11]
+  embeds4 = vl.embed_multimodal(np.asarray([turn2]), **pixels)
+  reply2 = np.concatenate(list(conv.reply(turn2, max_new_tokens=6, prompt_embeds=embeds4))).tolist()
+  assert reply2 == _alone(vl, turn2, 6, embeds4) and conv.last_turn.reused == 13 * 16
 
 
 def test_a_preempted_image_request_is_recomputed_with_its_embeddings(vl, inputs):
