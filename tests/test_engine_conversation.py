@@ -87,8 +87,20 @@ def test_an_abandoned_reply_leaves_the_engine_and_the_conversation_usable(model,
   want = _reply(Conversation(model, max_length=128, eos_token_ids=(), steps_per_call=2), follow, 6)
   assert _reply(conv, follow, 6) == want
   assert conv.last_turn.reused == 32  # the prompt's 2 full pages
-  with pytest.raises(ValueError, match=r"request conversation turn 4: prompt \(40 tokens\) \+ max_new_tokens"):
+
+
+@pytest.mark.quick
+def test_bad_turns_and_a_busy_engine_are_refused_before_anything_runs(model, ids):
+  engine = _engine(model)
+  conv = engine.conversation()
+  prompt = ids[0, :40].tolist()
+  with pytest.raises(ValueError, match=r"request conversation turn 1: prompt \(40 tokens\) \+ max_new_tokens"):
     conv.reply(prompt, max_new_tokens=10**4)
+  with pytest.raises(ValueError, match="prompt_ids: token ids must be integers, got 3.0"):
+    conv.reply([1, 3.0], max_new_tokens=5)
+  with pytest.raises(ValueError, match="seed must be an integer"):
+    engine.conversation(seed=-1)
+  assert conv.history == [] and engine.stats().waiting == 0
   engine.submit(prompt, max_new_tokens=2, request_id="other")
   with pytest.raises(RuntimeError, match=r"the engine is serving other requests \(0 running, 1 waiting\)"):
     conv.reply(prompt, max_new_tokens=2)
