@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from m3jax.content_keys import content_keys, media_ids
 from m3jax.generate import (_CACHE_ALIGN, Decoder, _GraphKey, bucket_length, check_prefill_chunk, pad_embeds,
                             prefill_in_chunks)
 from m3jax.model import M3ForCausalLM
@@ -63,8 +63,6 @@ class Conversation:
   counts of the last ``reply``.
   """
 
-  _FINGERPRINT_DIMS = 4  # random projections of an image / video placeholder's embedding row
-
   def __init__(self, model: M3ForCausalLM, *, max_length: int, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int = 0, eos_token_ids: Sequence[int] | None = None,
                steps_per_call: int = 4, prefill_chunk: int | None = None):
@@ -89,8 +87,7 @@ class Conversation:
     self.history: list[int] = []
     self._keys: list[int] = []  # per history position: the id, or a fingerprint of a media placeholder's embedding
     self.last_turn = TurnStats()
-    media = (model.config.image_token_id, model.config.video_token_id)
-    self._media_ids = np.asarray([t for t in media if t is not None], np.int64)
+    self._media_ids = media_ids(model)
 
   @property
   def caches(self) -> tuple:
@@ -125,7 +122,7 @@ class Conversation:
       # An earlier turn was interrupted while a call held the (donated) caches: start them afresh.
       self._caches = self._decoder.init_caches(1, self._slots)
       self.history, self._keys = [], []
-    keys = self._content_keys(ids, prompt_embeds)
+    keys = content_keys(ids, prompt_embeds, self._media_ids)
     # Reuse the cached prefix, but prefill at least the last prompt token: its logits give the first new token.
     reused = min(common_prefix_length(self._keys, keys), len(ids) - 1)
     new = ids[reused:]
@@ -177,23 +174,6 @@ class Conversation:
           return
       pending = dispatched
 
-  def _content_keys(self, ids: list[int], prompt_embeds: jax.Array | None) -> list[int]:
-    """What decides that a cached position can serve ``ids[t]``: the id itself (>= 0), or, at an image / video
-    placeholder when embeddings are given, a fingerprint of its embedding row (< 0): a few fixed random
-    projections, computed on the device, hashed on the host."""
-    keys = list(ids)
-    if prompt_embeds is None or not self._media_ids.size:
-      return keys
-    where = np.flatnonzero(np.isin(np.asarray(ids, np.int64), self._media_ids))
-    if not where.size:
-      return keys
-    projections = np.asarray(_fingerprints(jnp.asarray(prompt_embeds)[0], jnp.asarray(where, jnp.int32),
-                                           dims=self._FINGERPRINT_DIMS))
-    for t, row in zip(where.tolist(), projections):
-      digest = hashlib.blake2b(row.tobytes() + ids[t].to_bytes(8, "little"), digest_size=8).digest()
-      keys[t] = -1 - (int.from_bytes(digest, "little") >> 1)
-    return keys
-
   def _check(self, ids: list[int], max_new_tokens: int) -> None:
     if not ids:
       raise ValueError("the conversation needs at least one prompt token")
@@ -205,13 +185,6 @@ class Conversation:
       raise ValueError(f"the conversation ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"max_length ({self.max_length} tokens): start a new Conversation with a larger max_length, "
                        "or reset() it")
-
-
-@functools.partial(jax.jit, static_argnames=("dims",))
-def _fingerprints(embeds: jax.Array, rows: jax.Array, *, dims: int) -> jax.Array:
-  """embeds [S, H], rows int32 [n] -> fp32 [n, dims]: each row projected on ``dims`` fixed random directions."""
-  directions = jax.random.normal(jax.random.key(0x5EED), (embeds.shape[-1], dims), jnp.float32)
-  return jnp.dot(embeds[rows].astype(jnp.float32), directions, precision=jax.lax.Precision.HIGHEST)
 
 
 @functools.partial(jax.jit, static_argnames=("graph", "chunk", "max_position"), donate_argnames=("caches",))

@@ -3,7 +3,9 @@
 ``generate`` decodes a batch until its longest sequence is done; here a request that has stopped (a stop token, or
 its own ``max_new_tokens``) leaves the decode batch at once and the next waiting one takes its row. The KV cache is
 a pool of pages (m3jax.cache.PagedLayerCache) that requests take as they grow and give back when they end (m3jax.paging
-keeps the books, and full pages for prefix reuse); prompts are prefilled in chunks between decode calls. Rows not
+keeps the books, and full pages for prefix reuse); prompts are prefilled in chunks between decode calls. Prompts
+holding images or videos come with their embeddings (``submit(prompt_embeds=...)``), and their pages' prefix keys
+with a fingerprint of each placeholder's embedding (m3jax.content_keys). Rows not
 decoding run in the decode call too (static shapes, one compile), writing nowhere. Each request samples with its
 own temperature / top-k / top-p and seed, drawing token t with a key made from the seed and t's position, so a
 sampled request's tokens do not depend on the schedule (preemptions included) or on the other requests (tested);
@@ -17,18 +19,22 @@ import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from m3jax import sharding
+from m3jax.content_keys import content_keys, media_ids
 from m3jax.generate import Decoder, _decode, _GraphKey, bucket_length, check_prefill_chunk, prefill_in_chunks
 from m3jax.model import M3ForCausalLM
 from m3jax.paging import PagePool, page_digests
 from m3jax.sampling import SamplingParams, sample_rows
 from m3jax.token_ids import check_count, check_no_placeholders, is_token_id, resolve_stop_ids, token_list
+
+if TYPE_CHECKING:
+  from m3jax.engine_conversation import EngineConversation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,13 +42,15 @@ class Completion:
   """One request's output: request_id (as submitted), tokens int32 [n] (a stop token last if it stopped),
   finish_reason "stop" | "length" | "cancelled" (``Engine.cancel``: the tokens it had by then) | "error" (serving
   it failed: ``error`` says why; the other requests go on), and with ``Engine(logprobs=True)`` each token's
-  log-probability float32 [n]."""
+  log-probability float32 [n]. cached_tokens: the prompt tokens read from the prefix cache instead of prefilled
+  (at its first admission: whole pages; OpenAI's ``usage.prompt_tokens_details.cached_tokens``)."""
 
   request_id: Any
   tokens: np.ndarray
   finish_reason: str
   logprobs: np.ndarray | None = None
   error: str | None = None
+  cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +84,9 @@ class _Sequence:
   ids: what its prefill computes (the prompt, and after a preemption the tokens it had too); tokens / logprobs:
   what it generated so far; computed: leading ids whose keys the cache holds; pages: its pool pages in order;
   keys: the chain keys of its leading full pages that are registered for prefix reuse; row: its row of the
-  decode batch (None while waiting); position: where its next decode step writes.
+  decode batch (None while waiting); position: where its next decode step writes. A multimodal request also has
+  embeds [len(prompt), H] (its prompt's embeddings, on the host) and prompt_keys (``content_keys`` of its
+  prompt: placeholder positions keyed by their embeddings' fingerprints); a text request's keys are its ids.
   """
 
   request_id: Any
@@ -96,6 +106,14 @@ class _Sequence:
   preempted: bool = False  # waiting again after a preemption
   lookup: list[bytes] | None = None  # the chain keys of its ids' full pages (but the last token's), once computed
   finished: bool = False  # set when it leaves its row: the call in flight's tokens for it are dropped
+  embeds: np.ndarray | None = None
+  prompt_keys: list[int] | None = None
+  cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+
+  @property
+  def content(self) -> list[int]:
+    """The content keys of ``ids`` (prompt + the tokens it had), what its pages' chain keys hash."""
+    return (self.prompt if self.prompt_keys is None else self.prompt_keys) + self.tokens
 
   @property
   def decoding(self) -> bool:
@@ -147,8 +165,9 @@ class Engine:
   it had) when pages free up; a request that fits the pool alone is never refused for lack of pages.
 
   Full pages are kept for prefix reuse (``prefix_caching``): a request whose prompt starts with the tokens of
-  cached pages (the chain of their tokens, m3jax.paging) reads them instead of prefilling them; unheld cached pages
-  are evicted least recently released first when the pool needs pages.
+  cached pages (the chain of their tokens, m3jax.paging; at image / video placeholders, of their embeddings'
+  fingerprints) reads them instead of prefilling them; unheld cached pages are evicted least recently released
+  first when the pool needs pages. ``conversation()`` runs multi-turn conversations on them.
 
   Prompts are prefilled in chunks: each engine step prefills at most ``prefill_chunk`` prompt tokens (of one
   request or several) and then runs one decode call of the running requests, so a long prompt does not stall
@@ -225,6 +244,8 @@ class Engine:
     self.steps_per_call = steps_per_call
     self.prefill_chunk = prefill_chunk or _DEFAULT_PREFILL_BUDGET
     self._decoder = Decoder.of(model)
+    self._media_ids = media_ids(model)
+    self._embed_dtype = np.dtype(model.dtype)
     self._pages = PagePool(-(-max_tokens_in_cache // page_size), page_size)
     self._table_width = -(-max_length // page_size)
     self._caches = self._decoder.init_paged_caches(self._pages.num_pages, page_size)
@@ -263,18 +284,24 @@ class Engine:
 
   def submit(self, prompt_ids: Sequence[int], *, max_new_tokens: int, request_id: Any = None,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None) -> None:
+             seed: int | None = None, prompt_embeds: jax.Array | np.ndarray | None = None) -> None:
     """Queues a request (checked now; run by ``run``). temperature / top_k / top_p default to the engine's; a
     sampled request draws token t with a key made from its seed and t's position, so its tokens depend on its
     prompt, parameters and seed only, not on the requests it shares the batch with. A request that could not fit
-    the pool alone is refused here."""
+    the pool alone is refused here.
+
+    A prompt holding images or videos gives their embeddings: ``prompt_embeds`` [1, len(prompt_ids), H]
+    (``model.embed_multimodal``, as ``generate`` and ``Conversation.reply`` take them), fed to the prefill at
+    their positions. Its pages' prefix-cache keys hold a fingerprint of each placeholder row's embedding
+    (m3jax.content_keys), so the same placeholder ids with another image never read a cached page; the same
+    image does."""
     ids = token_list(prompt_ids, f"request {request_id!r}: prompt")
     vocab = self.model.config.text.vocab_size
     if not ids:
       raise ValueError(f"request {request_id!r}: the prompt needs at least one token")
     if min(ids) < 0 or max(ids) >= vocab:
       raise ValueError(f"request {request_id!r}: prompt ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
-    check_no_placeholders(ids, self.model.placeholder_ids, f"request {request_id!r}: the prompt ids")
+    embeds, keys = self._multimodal(ids, prompt_embeds, request_id)
     max_new_tokens = check_count(max_new_tokens, f"request {request_id!r}: max_new_tokens")
     if len(ids) + max_new_tokens > self.max_length:
       raise ValueError(f"request {request_id!r}: prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) "
@@ -297,7 +324,33 @@ class Engine:
         seed = (self._seed * 1_000_003 + self._submitted) % 2**31
       self._submitted += 1
       self._waiting.append(_Sequence(request_id=request_id, prompt=ids, remaining=max_new_tokens, sampling=sampling,
-                                     seed=seed, ids=list(ids)))
+                                     seed=seed, ids=list(ids), embeds=embeds, prompt_keys=keys))
+
+  def _multimodal(self, ids: list[int], prompt_embeds: jax.Array | np.ndarray | None, request_id: Any
+                  ) -> tuple[np.ndarray | None, list[int] | None]:
+    """A request's prompt embeddings as the prefill takes them ([len(ids), H] in the model's dtype, on the host)
+    and its prompt's content keys; (None, None) for a text prompt (placeholder ids refused)."""
+    what = f"request {request_id!r}: "
+    if prompt_embeds is None:
+      check_no_placeholders(ids, self.model.placeholder_ids, what + "the prompt ids")
+      return None, None
+    hidden = self.model.config.text.hidden_size
+    shape = tuple(getattr(prompt_embeds, "shape", ()))
+    if shape != (1, len(ids), hidden):
+      raise ValueError(f"{what}prompt_embeds has shape {shape}; expected [1, {len(ids)}, {hidden}] (the prompt's "
+                       "embeddings: model.embed_multimodal)")
+    embeds = np.asarray(prompt_embeds)[0].astype(self._embed_dtype)
+    keys = content_keys(ids, prompt_embeds, self._media_ids)
+    return embeds, (None if keys == ids else keys)
+
+  def conversation(self, *, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   seed: int = 0) -> EngineConversation:
+    """A multi-turn conversation whose turns run on this engine and read the full pages of earlier turns (and of
+    other conversations or requests sharing them, e.g. a system prompt) from its prefix cache
+    (m3jax.engine_conversation)."""
+    from m3jax.engine_conversation import EngineConversation  # pylint: disable=g-import-not-at-top
+
+    return EngineConversation(self, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
   def cancel(self, request_id: Any) -> None:
     """Stops a request at the next call boundary: a waiting one is never admitted, a running one's pages are freed
@@ -384,8 +437,9 @@ class Engine:
       return
     start, page, cut = len(seq.keys), self.page_size, len(seq.prompt)
     lo, hi = start * page, full * page
-    # Tokens lo .. hi of prompt + generated (seq.ids is a prefix of it), without copying the whole history.
-    tokens = seq.prompt[lo:hi] + seq.tokens[max(lo - cut, 0):max(hi - cut, 0)]
+    # Content keys lo .. hi of prompt + generated (seq.ids is a prefix of it), without copying the whole history.
+    prompt = seq.prompt if seq.prompt_keys is None else seq.prompt_keys
+    tokens = prompt[lo:hi] + seq.tokens[max(lo - cut, 0):max(hi - cut, 0)]
     new = page_digests(tokens, page, full - start, seq.keys[-1] if seq.keys else b"")
     for page, key in zip(seq.pages[start:full], new):
       self._pages.register(page, key)
@@ -401,7 +455,8 @@ class Engine:
     self._release(victim)
     again = _Sequence(request_id=victim.request_id, prompt=victim.prompt, remaining=victim.remaining,
                       sampling=victim.sampling, seed=victim.seed, tokens=list(victim.tokens),
-                      logprobs=list(victim.logprobs), ids=victim.prompt + victim.tokens, preempted=True)
+                      logprobs=list(victim.logprobs), ids=victim.prompt + victim.tokens, preempted=True,
+                      embeds=victim.embeds, prompt_keys=victim.prompt_keys, cached_tokens=victim.cached_tokens)
     with self._lock:
       self._waiting.appendleft(again)
     self.preemptions += 1
@@ -441,7 +496,7 @@ class Engine:
         seq = self._waiting[0]
         if self.prefix_caching and seq.lookup is None:
           # At least the last prompt token is prefilled: its logits give the first new token.
-          seq.lookup = page_digests(seq.ids, self.page_size, (len(seq.ids) - 1) // self.page_size)
+          seq.lookup = page_digests(seq.content, self.page_size, (len(seq.ids) - 1) // self.page_size)
         keys = seq.lookup or []
         hits, unheld = self._pages.peek(keys)
         need = -(-len(seq.ids) // self.page_size) - hits + unheld
@@ -461,6 +516,7 @@ class Engine:
       seq.computed = len(seq.pages) * self.page_size
       if not seq.preempted:
         self.admitted += 1
+        seq.cached_tokens = seq.computed
 
   def _prefill_step(self) -> Iterator[Update]:
     """One prefill call: the next chunks of the admitted requests' prompts, oldest first, at most
@@ -513,14 +569,33 @@ class Engine:
         targets[r] = seq.row
     table = self._table([seq for seq, _ in chunks] + [None] * (rows - len(chunks)))
     put = self._decoder.put
+    embeds, given = self._chunk_embeds(chunks, rows, width)
     self._logits, self._caches = _admit_jit(self._decoder.graph, self._decoder.params, put(prompts), put(lengths),
-                                            put(starts), put(targets), put(table), self._logits, self._caches)
+                                            put(starts), put(targets), put(table), self._logits, self._caches,
+                                            None if embeds is None else put(embeds),
+                                            None if given is None else put(given))
     for seq, n in chunks:
       seq.computed += n
       self._register_full_pages(seq, seq.computed)
       if seq.decoding:
         seq.position = len(seq.ids)
     self.prefills += 1
+
+  def _chunk_embeds(self, chunks: list[tuple[_Sequence, int]], rows: int, width: int
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The prompt embeddings of a prefill call's chunks: (embeds [rows, width, H], given bool [rows, width]:
+    where they replace the token embeddings), or (None, None) when no chunk covers a multimodal prompt's
+    positions (text-only calls keep their program)."""
+    if not any(seq.embeds is not None and seq.computed < len(seq.embeds) for seq, _ in chunks):
+      return None, None
+    embeds = np.zeros((rows, width, self.model.config.text.hidden_size), self._embed_dtype)
+    given = np.zeros((rows, width), bool)
+    for r, (seq, n) in enumerate(chunks):
+      if seq.embeds is not None:
+        part = seq.embeds[seq.computed: seq.computed + n]  # positions past the prompt (recomputed tokens): text
+        embeds[r, : len(part)] = part
+        given[r, : len(part)] = True
+    return embeds, given
 
   # Decode.
 
@@ -607,7 +682,8 @@ class Engine:
   def _completion(self, seq: _Sequence, finish_reason: str, error: str | None = None) -> Completion:
     return Completion(request_id=seq.request_id, tokens=np.asarray(seq.tokens, np.int32),
                       finish_reason=finish_reason,
-                      logprobs=np.asarray(seq.logprobs, np.float32) if self.logprobs else None, error=error)
+                      logprobs=np.asarray(seq.logprobs, np.float32) if self.logprobs else None, error=error,
+                      cached_tokens=seq.cached_tokens)
 
   def _fail(self, seq: _Sequence, error: BaseException | str) -> Update:
     """The last update of a running request whose serving failed (finish_reason "error", the tokens it had)."""
@@ -739,16 +815,22 @@ def _steps_jit(graph: _GraphKey, params, decode_weights, logits, caches, table, 
 
 
 @functools.partial(jax.jit, static_argnames=("graph",), donate_argnames=("logits", "caches"))
-def _admit_jit(graph: _GraphKey, params, prompts, lengths, starts, targets, table, logits, caches):
+def _admit_jit(graph: _GraphKey, params, prompts, lengths, starts, targets, table, logits, caches, embeds=None,
+               given=None):
   """Prefills chunks prompts [R, W] (``lengths`` [R] real tokens, the first at position ``starts`` [R]) into the
   pages of table int32 [R, pages], attending to the keys those already hold, and writes row r's last-token logits
-  into batch row ``targets[r]`` (dropped when out of range) -> (logits [rows, V], pools)."""
+  into batch row ``targets[r]`` (dropped when out of range) -> (logits [rows, V], pools). Multimodal chunks give
+  embeds [R, W, H], which replace the token embeddings where ``given`` bool [R, W] is set."""
   model = graph.merge(params)
 
   def run(x, positions, caches, at):
-    out = model.forward(x[0], positions=positions, caches=caches, logits_at=at)
+    ids, emb, use = x
+    if emb is not None:
+      emb = jnp.where(use[..., None], emb.astype(model.dtype), model.embed_tokens(ids))
+    out = model.forward(ids, positions=positions, caches=caches, logits_at=at, inputs_embeds=emb)
     return out.logits[:, 0], (), out.caches
 
-  row_logits, _, caches = prefill_in_chunks(run, (prompts,), lengths, _paged(caches, table), None, start=starts)
+  row_logits, _, caches = prefill_in_chunks(run, (prompts, embeds, given), lengths, _paged(caches, table), None,
+                                            start=starts)
   logits = logits.at[targets].set(row_logits.astype(logits.dtype), mode="drop")
   return logits, _pools(caches)

@@ -19,8 +19,9 @@ import numpy as np
 
 def page_digests(tokens: Sequence[int], page_size: int, count: int, parent: bytes = b"") -> list[bytes]:
   """The chain keys of the first ``count`` full pages of ``tokens``: key i = sha256(key i-1, page i's tokens)
-  (``parent`` is key -1). Token ids are the whole key: the engine's prompts are text (image placeholders are
-  refused), so a page's keys depend on its tokens and the pages before it only."""
+  (``parent`` is key -1), so a page's key depends on its tokens and the pages before it only. ``tokens`` are
+  content keys (m3jax.content_keys): token ids, and at a multimodal prompt's image / video placeholders a
+  (negative) fingerprint of their embeddings, so a page holding other images behind the same ids has another key."""
   keys, key = [], parent
   for i in range(count):
     page = np.asarray(tokens[i * page_size:(i + 1) * page_size], np.int64)
