@@ -3,7 +3,6 @@ slots (each gets generate()'s greedy tokens), and clear 400s for what it does no
 
 import concurrent.futures
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -377,8 +376,7 @@ def test_health_reports_an_engine_that_cannot_serve(served, monkeypatch):
   engine = Engine(served["model"], slots=2, max_length=256, steps_per_call=3, logprobs=True, top_logprobs=3)
   server = Server(engine, served["ckpt"])
   httpd = serve(server, port=0)
-  threading.Thread(target=httpd.serve_forever, daemon=True).start()
-  url = f"http://127.0.0.1:{httpd.server_address[1]}"
+  url = httpd.url
   try:
     assert _health(url) == (200, {"status": "ok"})
     monkeypatch.setattr(engine_module, "_steps_jit", steps)
@@ -392,8 +390,7 @@ def test_health_reports_an_engine_that_cannot_serve(served, monkeypatch):
       _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
     assert e.value.code == 503 and "the server cannot serve" in json.loads(e.value.read())["error"]["message"]
   finally:
-    httpd.shutdown()
-    httpd.server_close()
+    httpd.stop()
     server.close()
 
 
@@ -633,15 +630,10 @@ def test_tokenizer_routes(served):
 @pytest.mark.quick
 def test_a_server_still_loading_answers_503_in_openais_shape():
   from m3jax.serving_http import bind  # pylint: disable=g-import-not-at-top
-  httpd = bind(port=0)  # bound, no model yet (m3jax serve binds before loading)
-  threading.Thread(target=httpd.serve_forever, daemon=True).start()
-  try:
+  with bind(port=0).start() as httpd:  # bound, no model yet (m3jax serve binds before loading)
     with pytest.raises(urllib.error.HTTPError) as e:
-      _post(f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions", {"prompt": "x"})
+      _post(httpd.url + "/v1/completions", {"prompt": "x"})
     body = json.loads(e.value.read())
     assert e.value.code == 503 and body["status"] == "loading"
     assert body["error"] == {"message": "the model is still loading; retry shortly", "type": "server_error",
                              "param": None, "code": None}
-  finally:
-    httpd.shutdown()
-    httpd.server_close()
