@@ -285,7 +285,7 @@ def test_a_top_k_beyond_int32_is_a_400_and_the_server_goes_on(served):
 
 
 @pytest.mark.parametrize("head, status, message", [
-    (b"Content-Length: -1\r\n", 400, b"Content-Length must be a non-negative integer, got '-1'"),
+    (b"Content-Length: -1\r\n", 400, b"Invalid HTTP request received."),  # refused by the HTTP parser (h11)
     (b"Transfer-Encoding: chunked\r\n", 411, b"chunked bodies are not accepted"),
     (b"Content-Length: 10485760\r\n", 413, b"the body is 10485760 bytes; this server accepts at most"),
 ])
