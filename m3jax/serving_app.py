@@ -50,6 +50,12 @@ _ERRORS = {400: {"model": ErrorResponse, "description": "a request the server do
            503: {"model": Loading, "description": "the model is still loading, or the engine cannot serve"}}
 
 
+# One server-sent event of a streamed reply (OpenAPI before 3.2: ``schema`` describes each event).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a JSON chunk of the reply (choices with text or delta; usage last with "
+                                     "stream_options.include_usage; an error object if serving failed), then [DONE]"}}}
+
+
 def create_app() -> FastAPI:
   """The app, answering 503 until ``attach_server``."""
   app = FastAPI(title="m3jax serve", version="1", description="OpenAI-compatible API over m3jax's engine",
@@ -82,7 +88,7 @@ def _routes(app: FastAPI) -> None:
     streams = path in (COMPLETIONS, CHAT)
     ok = {"model": reply, "description": "the reply" + (" (stream: text/event-stream events)" if streams else "")}
     if streams:
-      ok["content"] = {"text/event-stream": {"schema": {"type": "string"}}}
+      ok["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
     app.add_api_route(path, _poster(path), methods=["POST"], summary=summary, response_class=JSONResponse,
                       responses={200: ok, **_ERRORS}, openapi_extra=_request_body(schema))
 
