@@ -115,7 +115,8 @@ class Echo:
 
 
 class Server:
-  """The engine's worker thread plus the request bookkeeping shared by the requests' threads (m3jax.serving_replies).
+  """The engine's worker thread plus the request bookkeeping shared by the requests' threads
+  (m3jax.serving_replies).
 
   Args:
     engine: the Engine to run (its slots, max_length and sampling serve every request).

@@ -35,8 +35,8 @@ def build_checkpoint(directory) -> str:
 
 @contextlib.contextmanager
 def served_checkpoint(directory):
-  """A served tiny checkpoint on a free localhost port (m3jax.serving_http on its own thread) -> {"url", "model", "ckpt",
-  "tok", "engine", "server"}; shut down on exit."""
+  """A served tiny checkpoint on a free localhost port (m3jax.serving_http, on its own thread) -> {"url", "model",
+  "ckpt", "tok", "engine", "server"}; shut down on exit."""
   ckpt = build_checkpoint(directory)
   model = m3jax.load(ckpt, kernels="reference", text_only=True)
   engine = Engine(model, **ENGINE_SHAPES)
