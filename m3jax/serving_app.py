@@ -243,6 +243,8 @@ class _Threaded(Response):
           await send({"type": "http.response.body", "body": item, "more_body": True})
       if streaming:
         await send({"type": "http.response.body", "body": b""})
+    except asyncio.CancelledError:  # the server is stopping and its grace period is over: a line, not a traceback
+      log.warning("%s %s: the reply was cut short, the server is stopping", scope["method"], scope["path"][:80])
     finally:
       gone.set()
       watcher.cancel()

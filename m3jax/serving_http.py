@@ -30,6 +30,9 @@ class HttpServer:
                             access_log=False, timeout_graceful_shutdown=_GRACE_S)
     self._uvicorn = uvicorn.Server(config)
     self._thread: threading.Thread | None = None
+    # Set when uvicorn has returned. Waited on instead of Thread.join: a signal interrupting join() can leave the
+    # thread marked stopped while it still runs (CPython's bpo-45274 handling), and the socket closed under it.
+    self._finished = threading.Event()
 
   @property
   def address(self) -> tuple[str, int]:
@@ -43,26 +46,31 @@ class HttpServer:
 
   def start(self) -> HttpServer:
     """Starts answering (on a daemon thread); returns once it does."""
-    self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self.socket]}, daemon=True,
-                                    name="m3jax-http")
+    self._thread = threading.Thread(target=self._run, daemon=True, name="m3jax-http")
     self._thread.start()
     deadline = time.monotonic() + _START_TIMEOUT_S
     while not self._uvicorn.started:
-      if not self._thread.is_alive() or time.monotonic() > deadline:
+      if self._finished.is_set() or time.monotonic() > deadline:
         raise RuntimeError(f"the HTTP server on {self.url} did not start")
       time.sleep(0.01)
     return self
 
+  def _run(self) -> None:
+    try:
+      self._uvicorn.run(sockets=[self.socket])
+    finally:
+      self._finished.set()
+
   def wait(self) -> None:
     """Blocks until the server stops (Ctrl-C and SIGTERM still reach the calling thread)."""
-    while self._thread is not None and self._thread.is_alive():
-      self._thread.join(0.5)
+    while self._thread is not None and not self._finished.wait(0.5):
+      pass
 
   def stop(self) -> None:
     """Stops accepting, lets replies in flight finish (up to a few seconds), and closes the socket."""
     if self._thread is not None:
       self._uvicorn.should_exit = True
-      self._thread.join()
+      self._finished.wait()
       self._thread = None
     self.socket.close()
 
