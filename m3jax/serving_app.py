@@ -136,7 +136,7 @@ def _poster(route: str) -> Callable:
     except ClientDisconnect:
       return _NoAnswer()
     except TimeoutError:
-      return _error(408, f"the body did not arrive within {_BODY_TIMEOUT_S:.0f} s", close=True)
+      return _error(408, f"the body did not arrive within {_BODY_TIMEOUT_S:g} s", close=True)
     record = request.scope[_RECORD]
     return _Threaded(lambda gone: answer(server, route, data, record, gone))
 

@@ -68,8 +68,9 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-  role: str
+  role: str = Field(description="one the chat template takes (OpenAI's: system, user, assistant, ...)")
   content: str | Annotated[list[TextPart], Field(min_length=1)]
+  name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -525,6 +525,33 @@ def test_errors_use_openais_shape_and_an_unknown_model_is_a_404(served):
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
 
 
+@pytest.mark.quick
+def test_schema_violations_wrong_methods_and_stalled_bodies_get_openais_error_shape(served, monkeypatch):
+  """What the OpenAI schema of /openapi.json refuses beyond m3jax.request_validation's checks is a 400 naming the
+  field (never FastAPI's 422); a known route with another method a 405; a body that stops arriving a 408."""
+  import m3jax.serving_app as app_module  # pylint: disable=g-import-not-at-top
+  for path, body, param in (("/v1/completions", {"prompt": "x", "max_tokens": 1, "user": 5}, "user"),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}],
+                                                      "stream_options": None}, "messages.[0].name"),
+                            ("/tokenize", {"prompt": "x", "add_special_tokens": None, "user": []}, None)):
+    try:
+      reply = _post(served["url"] + path, body)
+      assert param is None, reply  # fields the schema does not name are accepted
+    except urllib.error.HTTPError as e:
+      error = json.loads(e.read())["error"]
+      assert (e.code, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
+      assert error["message"].startswith(f"{param}: "), error
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(served["url"] + "/v1/completions", timeout=30)
+  assert e.value.code == 405 and json.loads(e.value.read())["error"] == {
+      "message": "GET is not allowed on /v1/completions", "type": "invalid_request_error", "param": None,
+      "code": "method_not_allowed"}
+  monkeypatch.setattr(app_module, "_BODY_TIMEOUT_S", 0.5)
+  reply = _raw(served, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"", wait_s=30)
+  assert reply.startswith(b"HTTP/1.1 408 ") and b"the body did not arrive within 0.5 s" in reply
+  assert reply.count(b"HTTP/1.1 ") == 1 and _health(served["url"])[0] == 200
+
+
 def test_chat_text_parts_and_special_tokens(served):
   parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
   as_parts = _post(served["url"] + "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}],
