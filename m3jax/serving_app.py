@@ -80,30 +80,33 @@ def _server(request: Request) -> Server:
 
 
 def _routes(app: FastAPI) -> None:
-  for path, schema, reply, summary in (
-      (COMPLETIONS, CompletionRequest, Completion, "Completions: text or token-id prompts (echo, logprobs, n)"),
-      (CHAT, ChatCompletionRequest, ChatCompletion, "Chat completions, rendered with the chat template"),
-      (TOKENIZE, TokenizeRequest, Tokens, "A text's token ids"),
-      (DETOKENIZE, DetokenizeRequest, Detokenized, "Token ids' text")):
+  for path, name, schema, reply, summary in (
+      (COMPLETIONS, "createCompletion", CompletionRequest, Completion,
+       "Completions: text or token-id prompts (echo, logprobs, n)"),
+      (CHAT, "createChatCompletion", ChatCompletionRequest, ChatCompletion,
+       "Chat completions, rendered with the chat template"),
+      (TOKENIZE, "tokenize", TokenizeRequest, Tokens, "A text's token ids"),
+      (DETOKENIZE, "detokenize", DetokenizeRequest, Detokenized, "Token ids' text")):
     streams = path in (COMPLETIONS, CHAT)
     ok = {"model": reply, "description": "the reply" + (" (stream: text/event-stream events)" if streams else "")}
     if streams:
       ok["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
-    app.add_api_route(path, _poster(path), methods=["POST"], summary=summary, response_class=JSONResponse,
-                      responses={200: ok, **_ERRORS}, openapi_extra=_request_body(schema))
+    app.add_api_route(path, _poster(path), methods=["POST"], summary=summary, operation_id=name,
+                      response_class=JSONResponse, responses={200: ok, **_ERRORS}, openapi_extra=_request_body(schema))
 
-  @app.get("/health", responses={200: {"model": Health}, 503: {"model": Health}})
+  @app.get("/health", operation_id="health", responses={200: {"model": Health}, 503: {"model": Health}})
   def health(request: Request) -> Response:
     failure = _server(request).health()
     if failure is None:
       return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "error", "message": failure}, 503)
 
-  @app.get("/v1/models", responses={200: {"model": ModelList}})
+  @app.get("/v1/models", operation_id="listModels", responses={200: {"model": ModelList}})
   def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [_server(request).model_card()]})
 
-  @app.get("/v1/models/{name:path}", responses={200: {"model": ModelCard}, 404: _ERRORS[404]})
+  @app.get("/v1/models/{name:path}", operation_id="retrieveModel",
+           responses={200: {"model": ModelCard}, 404: _ERRORS[404]})
   def model(request: Request, name: str) -> Response:
     server = _server(request)
     if name == server.model_name:
@@ -111,7 +114,7 @@ def _routes(app: FastAPI) -> None:
     return _error(404, f"The model {name[:80]!r} does not exist: this server serves {server.model_name!r}",
                   param="model", code="model_not_found")
 
-  @app.get("/metrics", response_class=Response,
+  @app.get("/metrics", operation_id="metrics", response_class=Response,
            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                             "description": "Prometheus text format"}})
   def metrics(request: Request) -> Response:
@@ -119,7 +122,7 @@ def _routes(app: FastAPI) -> None:
     return Response(server.metrics.render(server.engine_stats()),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
-  @app.get("/tokenizer_info", responses={200: {"model": TokenizerInfo}})
+  @app.get("/tokenizer_info", operation_id="tokenizerInfo", responses={200: {"model": TokenizerInfo}})
   def tokenizer_info(request: Request) -> Response:
     return JSONResponse(_server(request).tokenizer_info)
 
@@ -140,7 +143,6 @@ def _poster(route: str) -> Callable:
     record = request.scope[_RECORD]
     return _Threaded(lambda gone: answer(server, route, data, record, gone))
 
-  post.__name__ = route.strip("/").replace("/", "_").replace(".", "_")
   return post
 
 
