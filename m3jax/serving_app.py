@@ -31,8 +31,9 @@ from m3jax.request_validation import (CHAT, COMPLETIONS, DETOKENIZE, TOKENIZE, R
 from m3jax.serving import Server
 from m3jax.serving_replies import Head, RequestRecord, answer, json_head
 from m3jax.serving_schema import (REQUEST_MODELS, ChatCompletion, ChatCompletionRequest, Completion,
-                                  CompletionRequest, Detokenized, DetokenizeRequest, ErrorResponse, Health, Loading,
-                                  ModelCard, ModelList, TokenizeRequest, TokenizerInfo, Tokens)
+                                  CompletionRequest, Detokenized, DetokenizeRequest, ErrorResponse, Health,
+                                  ModelCard, ModelList, TokenizeRequest, TokenizerInfo, Tokens,
+                                  Unavailable)
 
 __all__ = ["attach_server", "create_app"]
 
@@ -44,10 +45,11 @@ log = logging.getLogger("m3jax.serving")
 
 _ERRORS = {400: {"model": ErrorResponse, "description": "a request the server does not serve (why, and the field)"},
            404: {"model": ErrorResponse, "description": "another model than the served one"},
+           408: {"model": ErrorResponse, "description": "the body stopped arriving"},
            411: {"model": ErrorResponse, "description": "a chunked body, or none without a Content-Length"},
            413: {"model": ErrorResponse, "description": "a body over --max-request-bytes"},
            500: {"model": ErrorResponse, "description": "serving this request failed (the server goes on)"},
-           503: {"model": Loading, "description": "the model is still loading, or the engine cannot serve"}}
+           503: {"model": Unavailable, "description": "the model is still loading, or the engine cannot serve"}}
 
 
 # One server-sent event of a streamed reply (OpenAPI before 3.2: ``schema`` describes each event).

@@ -115,10 +115,10 @@ class ErrorResponse(BaseModel):
   error: ErrorDetail
 
 
-class Loading(ErrorResponse):
-  """Every route while the model loads (503)."""
+class Unavailable(ErrorResponse):
+  """503: the engine cannot serve, or (``"status": "loading"``, every route) the model is still loading."""
 
-  status: Literal["loading"]
+  status: Literal["loading"] | None = None
 
 
 class Usage(BaseModel):
