@@ -15,8 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)",
                      description="An OpenAI-compatible HTTP server: POST /v1/completions (prompt text, ids or a list "
                                  "of them; echo, logprobs, stop, stream), POST /v1/chat/completions, GET /v1/models, "
-                                 "/health, /metrics (Prometheus text), /tokenizer_info, POST /tokenize, /detokenize; the "
-                                 "OpenAPI document at /openapi.json (FastAPI on uvicorn: the serve extra). "
+                                 "/health, /metrics (Prometheus text), /tokenizer_info, POST /tokenize, /detokenize; "
+                                 "the OpenAPI document at /openapi.json (FastAPI on uvicorn: the serve extra). "
                                  "Each request is logged on stderr (method, path, status, tokens, latency). "
                                  "docs/serving.md has the details and the lm-eval recipe.")
   p.add_argument("checkpoint", help="checkpoint directory with tokenizer.json (and a chat template for chat)")
