@@ -1,6 +1,7 @@
 """An OpenAI-compatible server over the continuous-batching engine (``m3jax serve``): ``Server``, the requests'
 side (validation, the engine's worker thread, replies, echo scoring, metrics); m3jax.serving_http answers HTTP
-with it (``serve``, ``bind``, ``attach``).
+with it (``serve``, ``bind``, ``attach``: the FastAPI app of m3jax.serving_app on uvicorn, ``/openapi.json`` its
+OpenAPI document).
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a text, token ids, or a list of either, each its own choice),
 ``POST /v1/chat/completions`` (``messages``, rendered with the checkpoint's chat template; contents as strings or
@@ -17,10 +18,11 @@ forward (m3jax.scoring.token_logprobs, the numbers ``score_continuations`` gives
 the prompt alone. With echo every generated token is listed, the stop token too (OpenAI's legacy layout, which
 lm-eval's loglikelihood reads as prompt + one generated token).
 
-One worker thread owns the ``Engine``; HTTP threads validate a request (m3jax.request_validation: the body's size
-from its headers before it is read, then every field against the engine's limits, then the tokenized prompts),
-submit it (one engine request per choice: n per prompt), and wait on their own queue for its tokens. Echo scoring runs on the
-HTTP thread, one request at a time. Faults stay local: a request whose serving fails gets a 500 (or an error event
+One worker thread owns the ``Engine``; each request's own thread (m3jax.serving_replies) validates it
+(m3jax.request_validation: the body's size from its headers before it is read, then every field against the
+engine's limits, then the OpenAI schema, then the tokenized prompts), submits it (one engine request per choice: n
+per prompt), and waits on its own queue for its tokens. Echo scoring runs on the request's thread, one request at
+a time. Faults stay local: a request whose serving fails gets a 500 (or an error event
 when streamed) and frees its slots while the engine goes on; ``/health`` answers 503 once the engine cannot serve.
 A client that hangs up, streaming or not, cancels its request at the engine's next step. Each request samples with
 its own temperature / top_k / top_p / seed (the server's start values by default); its tokens do not depend on the
@@ -113,7 +115,8 @@ class Echo:
 
 
 class Server:
-  """The engine's worker thread plus the request bookkeeping shared by the HTTP handlers.
+  """The engine's worker thread plus the request bookkeeping shared by the requests' threads
+  (m3jax.serving_replies).
 
   Args:
     engine: the Engine to run (its slots, max_length and sampling serve every request).

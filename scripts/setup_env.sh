@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv with Python >= 3.12 and installs m3jax (editable) with its test and eval extras (eval:
-# lm-evaluation-harness, for tests/test_lm_eval.py; ~0.5 GB of wheels, no torch).
+# Creates .venv with Python >= 3.12 and installs m3jax (editable) with its test, eval and serve extras (eval:
+# lm-evaluation-harness, for tests/test_lm_eval.py, ~0.5 GB of wheels, no torch; serve: FastAPI and uvicorn, for
+# m3jax serve and its tests).
 # Finds Python 3.12+ on PATH or under pyenv; idempotent (re-running only re-checks the install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,7 @@ stamp=.venv/.m3jax-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "[setup] installing m3jax and its dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING' || true
-  .venv/bin/python -m pip install -q -e ".[test,eval]" 2>&1 | grep -v '^WARNING' || true
-  .venv/bin/python -c 'import m3jax, jax, flax, openai, lm_eval' || { echo "error: install failed" >&2; exit 1; }
+  .venv/bin/python -m pip install -q -e ".[test,eval,serve]" 2>&1 | grep -v '^WARNING' || true
+  .venv/bin/python -c 'import m3jax, jax, flax, openai, lm_eval, fastapi, uvicorn, schemathesis' || { echo "error: install failed" >&2; exit 1; }
   touch "$stamp"
 fi

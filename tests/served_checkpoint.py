@@ -5,7 +5,6 @@ programs are the same ones, read back from the persistent compilation cache inst
 
 import contextlib
 import json
-import threading
 
 import m3jax
 from m3jax.demo import build_demo_checkpoint
@@ -36,19 +35,16 @@ def build_checkpoint(directory) -> str:
 
 @contextlib.contextmanager
 def served_checkpoint(directory):
-  """A served tiny checkpoint on a free localhost port, its HTTP server in a thread -> {"url", "model", "ckpt",
-  "tok", "engine", "server"}; shut down on exit."""
+  """A served tiny checkpoint on a free localhost port (m3jax.serving_http, on its own thread) -> {"url", "model",
+  "ckpt", "tok", "engine", "server"}; shut down on exit."""
   ckpt = build_checkpoint(directory)
   model = m3jax.load(ckpt, kernels="reference", text_only=True)
   engine = Engine(model, **ENGINE_SHAPES)
   server = Server(engine, ckpt, model_name=MODEL_NAME)
   httpd = serve(server, port=0)
-  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-  thread.start()
   try:
-    yield {"url": f"http://127.0.0.1:{httpd.server_address[1]}", "model": model, "ckpt": ckpt,
-           "tok": load_tokenizer(ckpt), "engine": engine, "server": server}
+    yield {"url": httpd.url, "model": model, "ckpt": ckpt, "tok": load_tokenizer(ckpt), "engine": engine,
+           "server": server}
   finally:
-    httpd.shutdown()
-    httpd.server_close()
+    httpd.stop()
     server.close()

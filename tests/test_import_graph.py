@@ -99,3 +99,20 @@ def test_no_import_circle_in_m3jax_or_pallas_kernels():
   cycles = import_cycles(graph)
   assert not cycles, "import circles (function-level imports count):\n" + "\n".join(
       describe(graph, c) for c in cycles)
+
+
+WEB_STACK = ("fastapi", "starlette", "uvicorn", "pydantic")  # the `serve` extra: not on the GPU machines
+SERVE_ONLY = ("m3jax.serving_app", "m3jax.serving_http", "m3jax.serving_replies", "m3jax.serving_schema",
+              "m3jax.commands.serve")
+
+
+@pytest.mark.quick
+def test_only_the_http_server_imports_the_web_stack():
+  """The engine, the serving core and everything the GPU scripts import run without FastAPI / uvicorn installed:
+  only the HTTP server's modules (imported by ``m3jax serve`` alone) reach them, function-level imports included."""
+  graph = grimp.build_graph(*PACKAGES, cache_dir=None, exclude_type_checking_imports=True,
+                            include_external_packages=True)
+  assert graph.chain_exists(importer="m3jax.commands.serve", imported="uvicorn")
+  reach = sorted(f"{m} -> {w}" for m in graph.modules if m.startswith(PACKAGES) and m not in SERVE_ONLY
+                 for w in WEB_STACK if w in graph.modules and graph.chain_exists(importer=m, imported=w))
+  assert not reach, reach

@@ -3,7 +3,6 @@ slots (each gets generate()'s greedy tokens), and clear 400s for what it does no
 
 import concurrent.futures
 import json
-import threading
 import urllib.error
 import urllib.request
 
@@ -286,7 +285,7 @@ def test_a_top_k_beyond_int32_is_a_400_and_the_server_goes_on(served):
 
 
 @pytest.mark.parametrize("head, status, message", [
-    (b"Content-Length: -1\r\n", 400, b"Content-Length must be a non-negative integer, got '-1'"),
+    (b"Content-Length: -1\r\n", 400, b"Invalid HTTP request received."),  # refused by the HTTP parser (h11)
     (b"Transfer-Encoding: chunked\r\n", 411, b"chunked bodies are not accepted"),
     (b"Content-Length: 10485760\r\n", 413, b"the body is 10485760 bytes; this server accepts at most"),
 ])
@@ -377,8 +376,7 @@ def test_health_reports_an_engine_that_cannot_serve(served, monkeypatch):
   engine = Engine(served["model"], slots=2, max_length=256, steps_per_call=3, logprobs=True, top_logprobs=3)
   server = Server(engine, served["ckpt"])
   httpd = serve(server, port=0)
-  threading.Thread(target=httpd.serve_forever, daemon=True).start()
-  url = f"http://127.0.0.1:{httpd.server_address[1]}"
+  url = httpd.url
   try:
     assert _health(url) == (200, {"status": "ok"})
     monkeypatch.setattr(engine_module, "_steps_jit", steps)
@@ -392,8 +390,7 @@ def test_health_reports_an_engine_that_cannot_serve(served, monkeypatch):
       _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
     assert e.value.code == 503 and "the server cannot serve" in json.loads(e.value.read())["error"]["message"]
   finally:
-    httpd.shutdown()
-    httpd.server_close()
+    httpd.stop()
     server.close()
 
 
@@ -528,6 +525,33 @@ def test_errors_use_openais_shape_and_an_unknown_model_is_a_404(served):
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
 
 
+@pytest.mark.quick
+def test_schema_violations_wrong_methods_and_stalled_bodies_get_openais_error_shape(served, monkeypatch):
+  """What the OpenAI schema of /openapi.json refuses beyond m3jax.request_validation's checks is a 400 naming the
+  field (never FastAPI's 422); a known route with another method a 405; a body that stops arriving a 408."""
+  import m3jax.serving_app as app_module  # pylint: disable=g-import-not-at-top
+  for path, body, param in (("/v1/completions", {"prompt": "x", "max_tokens": 1, "user": 5}, "user"),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}],
+                                                      "stream_options": None}, "messages.[0].name"),
+                            ("/tokenize", {"prompt": "x", "add_special_tokens": None, "user": []}, None)):
+    try:
+      reply = _post(served["url"] + path, body)
+      assert param is None, reply  # fields the schema does not name are accepted
+    except urllib.error.HTTPError as e:
+      error = json.loads(e.read())["error"]
+      assert (e.code, error["param"], error["type"]) == (400, param, "invalid_request_error"), error
+      assert error["message"].startswith(f"{param}: "), error
+  with pytest.raises(urllib.error.HTTPError) as e:
+    urllib.request.urlopen(served["url"] + "/v1/completions", timeout=30)
+  assert e.value.code == 405 and json.loads(e.value.read())["error"] == {
+      "message": "GET is not allowed on /v1/completions", "type": "invalid_request_error", "param": None,
+      "code": "method_not_allowed"}
+  monkeypatch.setattr(app_module, "_BODY_TIMEOUT_S", 0.5)
+  reply = _raw(served, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"", wait_s=30)
+  assert reply.startswith(b"HTTP/1.1 408 ") and b"the body did not arrive within 0.5 s" in reply
+  assert reply.count(b"HTTP/1.1 ") == 1 and _health(served["url"])[0] == 200
+
+
 def test_chat_text_parts_and_special_tokens(served):
   parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
   as_parts = _post(served["url"] + "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}],
@@ -633,15 +657,10 @@ def test_tokenizer_routes(served):
 @pytest.mark.quick
 def test_a_server_still_loading_answers_503_in_openais_shape():
   from m3jax.serving_http import bind  # pylint: disable=g-import-not-at-top
-  httpd = bind(port=0)  # bound, no model yet (m3jax serve binds before loading)
-  threading.Thread(target=httpd.serve_forever, daemon=True).start()
-  try:
+  with bind(port=0).start() as httpd:  # bound, no model yet (m3jax serve binds before loading)
     with pytest.raises(urllib.error.HTTPError) as e:
-      _post(f"http://127.0.0.1:{httpd.server_address[1]}/v1/completions", {"prompt": "x"})
+      _post(httpd.url + "/v1/completions", {"prompt": "x"})
     body = json.loads(e.value.read())
     assert e.value.code == 503 and body["status"] == "loading"
     assert body["error"] == {"message": "the model is still loading; retry shortly", "type": "server_error",
                              "param": None, "code": None}
-  finally:
-    httpd.shutdown()
-    httpd.server_close()

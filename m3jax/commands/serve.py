@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
   p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching)",
                      description="An OpenAI-compatible HTTP server: POST /v1/completions (prompt text, ids or a list "
                                  "of them; echo, logprobs, stop, stream), POST /v1/chat/completions, GET /v1/models, "
-                                 "/health, /metrics (Prometheus text), /tokenizer_info, POST /tokenize, /detokenize. "
+                                 "/health, /metrics (Prometheus text), /tokenizer_info, POST /tokenize, /detokenize; "
+                                 "the OpenAPI document at /openapi.json (FastAPI on uvicorn: the serve extra). "
                                  "Each request is logged on stderr (method, path, status, tokens, latency). "
                                  "docs/serving.md has the details and the lm-eval recipe.")
   p.add_argument("checkpoint", help="checkpoint directory with tokenizer.json (and a chat template for chat)")
@@ -50,22 +51,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-  import logging  # pylint: disable=g-import-not-at-top
-
   import m3jax  # pylint: disable=g-import-not-at-top
   from m3jax import tokenizer as tok_lib  # pylint: disable=g-import-not-at-top
   from m3jax.engine import Engine  # pylint: disable=g-import-not-at-top
   from m3jax.interrupts import Terminated  # pylint: disable=g-import-not-at-top
   from m3jax.serving import Server  # pylint: disable=g-import-not-at-top
-  from m3jax.serving_http import attach, bind  # pylint: disable=g-import-not-at-top
 
   options.check_sampling_args(args)
   if args.max_logprobs < -1:
     raise ValueError(f"--max-logprobs must be >= -1 (-1: off), got {args.max_logprobs}")
   if args.max_request_bytes is not None and args.max_request_bytes < 1:
     raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+  try:
+    from m3jax.serving_http import attach, bind  # pylint: disable=g-import-not-at-top
+  except ModuleNotFoundError as e:
+    if e.name not in ("fastapi", "starlette", "pydantic", "uvicorn", "h11"):
+      raise
+    raise ValueError(f"m3jax serve needs the serve extra (no module {e.name!r}): pip install 'm3jax[serve]'"
+                     ) from None
   tok_lib.load_tokenizer(args.checkpoint)  # fails early without one
-  httpd = bind(args.host, args.port)  # a port in use fails now, not after the model loaded
+  httpd = bind(args.host, args.port).start()  # a port in use fails now; until the model is loaded: 503s
+  server = None
   try:
     model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
     eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, model.config.text.vocab_size)
@@ -75,24 +81,31 @@ def run(args: argparse.Namespace) -> int:
                     eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
                     logprobs=args.max_logprobs >= 0, top_logprobs=max(args.max_logprobs, 0))
     server = Server(engine, args.checkpoint, model_name=args.model_name, max_body_bytes=args.max_request_bytes)
-  except BaseException:
-    httpd.server_close()
-    raise
-  attach(httpd, server)
+    _log_to_stderr(args.log_level)
+    attach(httpd, server)
+    host, port = httpd.address
+    print(f"[m3jax] serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 ({args.slots} "
+          f"slots, up to {engine.max_length} tokens per request)", file=sys.stderr, flush=True)
+    httpd.wait()
+  except (KeyboardInterrupt, Terminated):
+    if server is None:
+      raise  # interrupted while loading: reported as such
+  finally:
+    httpd.stop()
+    if server is not None:
+      server.close()
+  return 0
+
+
+def _log_to_stderr(level: str) -> None:
+  """The request log (logger m3jax.serving, at ``level``) and uvicorn's own warnings (malformed requests, app
+  errors) on stderr, one ``[m3jax]`` line each."""
+  import logging  # pylint: disable=g-import-not-at-top
+
   handler = logging.StreamHandler(sys.stderr)
   handler.setFormatter(logging.Formatter("[m3jax] %(message)s"))
-  request_log = logging.getLogger("m3jax.serving")
-  request_log.addHandler(handler)
-  request_log.setLevel(args.log_level.upper())
-  request_log.propagate = False
-  host, port = httpd.server_address[:2]
-  print(f"[m3jax] serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 ({args.slots} slots, "
-        f"up to {engine.max_length} tokens per request)", file=sys.stderr, flush=True)
-  try:
-    httpd.serve_forever()
-  except (KeyboardInterrupt, Terminated):
-    pass  # Ctrl-C / SIGTERM: the normal way to stop a server
-  finally:
-    httpd.server_close()
-    server.close()
-  return 0
+  for name, at in (("m3jax.serving", level.upper()), ("uvicorn.error", "WARNING")):
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(at)
+    logger.propagate = False
