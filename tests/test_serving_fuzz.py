@@ -24,7 +24,7 @@ MAX_TOKENS, MAX_N, MAX_PROMPTS = 4, 2, 3  # generation bounded: prompts x n x ma
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  with served_checkpoint(tmp_path_factory.mktemp("fuzz")) as s:
+  with served_checkpoint(tmp_path_factory.mktemp("fuzz"), vision=True) as s:  # image parts are decoded
     yield s
 
 

@@ -107,6 +107,21 @@ def test_another_image_behind_the_same_text_reads_only_the_text_pages_from_the_c
   assert replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == first_image // PAGE * PAGE
 
 
+def test_completions_report_the_prompt_tokens_read_from_the_cache(served):
+  prompt = PREFACE + " Now tell me what the tree is called."
+  n = len(served["tok"].encode(prompt, add_special_tokens=False).ids)
+  body = json.dumps({"prompt": [prompt, prompt[:20]], "max_tokens": 2}).encode()
+  replies = []
+  for _ in range(2):
+    req = urllib.request.Request(served["url"] + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+      replies.append(json.loads(r.read()))
+  assert replies[0]["choices"] == replies[1]["choices"]
+  # Every full page of the long prompt but its last token's, the second time (the short one has none).
+  assert replies[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // PAGE * PAGE >= 2 * PAGE
+
+
 def test_bad_image_parts_are_400s_naming_the_part(served):
   good = _image_part(_data_url(_png(3, (30, 30))))
   text = {"type": "text", "text": "What is it?"}
