@@ -18,9 +18,9 @@ import re
 
 import numpy as np
 
-from m3jax.request_validation import RequestError
+from m3jax.request_validation import RequestError, url_scheme_error
 
-__all__ = ["IMAGE_FORMATS", "MAX_IMAGE_PIXELS", "decode_image_url", "url_scheme_error"]
+__all__ = ["IMAGE_FORMATS", "MAX_IMAGE_PIXELS", "decode_image_url"]
 
 # What pillow may decode (formats it hands to external programs, such as EPS, are never opened).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
@@ -30,24 +30,6 @@ IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 MAX_IMAGE_PIXELS = 8192 * 8192
 _DATA_URL = re.compile(r"data:(?P<type>[^,;]*)(?P<params>(;[^,;]*)*),(?P<data>.*)", re.DOTALL)
 _WHITESPACE = re.compile(rb"[ \t\r\n]+")
-
-
-def url_scheme_error(url: str, *, files: bool) -> str | None:
-  """Why ``url`` is not a URL this reader takes (None when its scheme is one: ``data:``, and ``file:`` when
-  ``files``), checked without decoding anything."""
-  scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-  if scheme == "data":
-    return None
-  if scheme == "file" and files:
-    return None
-  if scheme in ("http", "https"):
-    return ("image URLs are not fetched (this server does not reach the network); send the image inline as a "
-            "data: URL (data:image/png;base64,...)")
-  if scheme == "file":
-    return ("file: URLs are not read (the server does not open its clients' paths); send the image inline as a "
-            "data: URL (data:image/png;base64,...)")
-  return (f"expected a data: URL (data:image/png;base64,...){' or a file: URL' if files else ''}, got "
-          f"{url[:40]!r}")
 
 
 def decode_image_url(url: str, where: str, *, base_dir: str | os.PathLike | None = None,

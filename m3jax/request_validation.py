@@ -253,8 +253,6 @@ def parse_content(i: int, content: Any, images: list[ImagePart] | None = None, m
   (as vLLM does); an image part becomes IMAGE_MARKER at its place, with nothing around it (so an image before the
   text renders as ``m3jax chat`` / ``m3jax generate --image`` render it), and is appended to ``images``. Audio /
   file / video parts are refused, as image parts are when the server takes no images."""
-  from m3jax.image_urls import url_scheme_error  # pylint: disable=g-import-not-at-top
-
   if isinstance(content, str):
     return content
   if not isinstance(content, list) or not content:
@@ -316,6 +314,22 @@ def parse_chat(value: Any, max_images: int = 0, *, local_files: bool = False
                                                                  local_files=local_files)}
                    for i, m in enumerate(value))
   return messages, tuple(images)
+
+
+def url_scheme_error(url: str, *, files: bool) -> str | None:
+  """Why ``url`` is not an image URL the server reads (None when its scheme is one: ``data:``, and ``file:`` when
+  ``files``), checked without decoding anything (m3jax.image_urls decodes)."""
+  scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+  if scheme == "data" or (scheme == "file" and files):
+    return None
+  if scheme in ("http", "https"):
+    return ("image URLs are not fetched (this server does not reach the network); send the image inline as a "
+            "data: URL (data:image/png;base64,...)")
+  if scheme == "file":
+    return ("file: URLs are not read (the server does not open its clients' paths); send the image inline as a "
+            "data: URL (data:image/png;base64,...)")
+  return (f"expected a data: URL (data:image/png;base64,...){' or a file: URL' if files else ''}, got "
+          f"{url[:40]!r}")
 
 
 def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
