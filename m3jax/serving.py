@@ -5,8 +5,9 @@ OpenAPI document).
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a text, token ids, or a list of either, each its own choice),
 ``POST /v1/chat/completions`` (``messages``, rendered with the checkpoint's chat template; contents as strings or
-text parts, and with the model's vision tower image_url parts holding data: URLs: ``Server._multimodal``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, m3jax.metrics), and the
-tokenizer: ``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's routes, what lm-eval's
+text parts, and with the model's vision tower image_url parts holding data: URLs: ``Server._multimodal``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, m3jax.metrics), and the tokenizer:
+``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's routes, what lm-eval's
 ``tokenizer_backend=remote`` reads). ``stream: true`` sends server-sent events, one per decode call that gives a
 choice new text, then ``data: [DONE]`` (with ``stream_options.include_usage`` a last chunk with the usage and no
 choices before it). ``stop`` (a string or a list of them) ends the text before the first stop string, with

@@ -342,7 +342,7 @@ def test_batch_messages_lines_take_images_as_data_and_file_urls(demo_dir, tmp_pa
     ('{"prompt": "a", "stop": [""]}', 'in.jsonl:2: "stop" must be a non-empty string or a list of them'),
     ('{"prompt_ids": [7, 5]}', "in.jsonl:2: the prompt ids hold image / video placeholder tokens [5]"),
     ('{"prompt": "a", "messages": []}', 'in.jsonl:2: expected an object with one of "prompt"'),
-    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}]}]}',
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a"}}]}]}',
      "in.jsonl:2: messages.[0].content.[0]: image URLs are not fetched"),
     ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": '
      '{"url": "file:missing.png"}}]}]}', "in.jsonl:2: messages.[0].content.[1]: no such image file "),
