@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="load the text backbone only, even for a vision-language checkpoint (chat image_url parts "
                       "then get a 400); by default its vision tower is loaded and chat takes data: URL images")
   p.add_argument("--max-images", type=int, default=8,
-                 help="image_url parts a chat request may hold, with the vision tower (default 8)")
+                 help="image_url parts a chat request may hold, with the vision tower (default 8; 0: as "
+                      "--no-vision)")
   options.add_eos_argument(p)
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   parallel_cli.add_mesh_arguments(p, distributed=False)
