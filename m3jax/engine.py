@@ -68,13 +68,15 @@ class Update:
   update); completion is set on its last one. With ``Engine(logprobs=True)``: logprobs float32 [n], each new
   token's log-probability under the model (its raw logits: before temperature, top-k and top-p), and with
   ``top_logprobs=k`` the k most likely tokens at each of the n positions. A request whose serving failed gets
-  a last update with no new tokens and a completion with finish_reason "error"."""
+  a last update with no new tokens and a completion with finish_reason "error". cached_tokens: as the
+  completion's (known from the request's first update on, so a reply that ends early, at a stop string, has it)."""
 
   request_id: Any
   new_tokens: np.ndarray
   completion: Completion | None = None
   logprobs: np.ndarray | None = None
   top_logprobs: TopLogprobs | None = None
+  cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -659,7 +661,7 @@ class Engine:
         self._release(seq)
         completion = self._completion(seq, "stop" if stops.size else "length")
       yield Update(request_id=seq.request_id, new_tokens=mine.astype(np.int32), completion=completion,
-                   logprobs=logprobs, top_logprobs=top)
+                   logprobs=logprobs, top_logprobs=top, cached_tokens=seq.cached_tokens)
 
   # Cancels and failures.
 

@@ -23,7 +23,8 @@ class Piece:
   """What one engine update adds to a reply: text (the newly final text), finish_reason (on the last piece),
   generated (tokens counted so far), and the tokens behind the text released so far that no earlier piece
   listed: ids, logprobs [n] and top (ids [n, k], logprobs [n, k]) when the engine computes them, and offsets
-  (each listed token's first character's index in the reply's text) when the Reply has ``token_strings``."""
+  (each listed token's first character's index in the reply's text) when the Reply has ``token_strings``;
+  cached_tokens: the request's prompt tokens read from the engine's prefix cache (``Update.cached_tokens``)."""
 
   text: str
   finish_reason: str | None
@@ -32,6 +33,7 @@ class Piece:
   logprobs: list[float] | None = None
   top: tuple[list[list[int]], list[list[float]]] | None = None
   offsets: list[int] | None = None
+  cached_tokens: int = 0
 
 
 class Reply:
@@ -115,7 +117,8 @@ class Reply:
                  logprobs=self.logprobs[start:upto] if update.logprobs is not None else None,
                  top=((self._top_ids[start:upto], self._top_logprobs[start:upto])
                       if update.top_logprobs is not None else None),
-                 offsets=None if self._offsets is None else self._offsets.add(self._shown[start:upto]))
+                 offsets=None if self._offsets is None else self._offsets.add(self._shown[start:upto]),
+                 cached_tokens=update.cached_tokens)
 
   def _covering(self, ids: list[int]) -> int:
     """How many of ``ids`` (the ids up to the one that completed a stop string) it takes to spell the text the

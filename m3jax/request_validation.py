@@ -34,8 +34,10 @@ POST_ROUTES = (COMPLETIONS, CHAT, TOKENIZE, DETOKENIZE)
 UNSUPPORTED = {"best_of": (None, 1), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "suffix": (None, ""),
                "tools": (None, []), "response_format": (None, {"type": "text"})}
-# Chat content parts that carry something other than text (refused: the server loads the model text only).
-_MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio", "video_url", "video", "file")
+# Chat content parts that carry something other than text or images (refused: the server takes neither).
+_MEDIA_PARTS = ("input_image", "image", "input_audio", "audio", "video_url", "video", "file")
+# Where the chat template puts an image part (m3jax.vision.IMAGE_MARKER: the marker the vision prompt expands).
+IMAGE_MARKER = "]<]image[>["
 
 
 class RequestError(ValueError):
@@ -67,9 +69,11 @@ class Limits:
     max_length: prompt + max_tokens tokens per request.
     max_logprobs: most alternatives per token a request may ask log-probabilities for; None: log-probabilities off.
     max_body_bytes: largest request body read (checked from Content-Length before reading).
-    placeholder_ids: image / video placeholder token ids: a prompt holding one needs the image, which this
-      server does not take (m3jax serve runs the text backbone).
+    placeholder_ids: image / video placeholder token ids: a prompt's own ids may not hold them (an image comes as
+      an image_url part, whose placeholders the server writes itself).
     model_name: the id the server serves; a request naming another ``model`` gets a 404 (None: any name).
+    max_images: image_url parts one chat request may hold (0: the server takes no images: the checkpoint has no
+      vision tower, or ``m3jax serve --no-vision``).
   """
 
   vocab_size: int
@@ -78,12 +82,26 @@ class Limits:
   max_body_bytes: int = 1 << 20
   placeholder_ids: tuple[int, ...] = ()
   model_name: str | None = None
+  max_images: int = 0
 
 
 def default_body_limit(max_length: int) -> int:
   """The body size ``m3jax serve`` accepts by default: room for a prompt of max_length tokens as ids
   (~8 bytes each) or as JSON-escaped text (a token rarely spans more than ~16 escaped characters), plus 64 KiB."""
   return 64 * max_length + (64 << 10)
+
+
+# What ``m3jax serve`` adds to its default body limit per image a request may hold (base64 of a 12 MiB image).
+IMAGE_BODY_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePart:
+  """A chat ``image_url`` part, its URL's scheme checked (decoded by m3jax.image_urls): ``where`` names it as
+  ``param`` does ("messages.[0].content.[1]")."""
+
+  where: str
+  url: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +119,7 @@ class ParsedRequest:
   stream: bool = False
   prompts: tuple[str | tuple[int, ...], ...] | None = None
   messages: tuple[dict[str, str], ...] | None = None
+  images: tuple[ImagePart, ...] = ()  # chat: the image_url parts in order (each an IMAGE_MARKER in its content)
   echo: bool = False  # completions: the reply starts with the prompt (its text, and its tokens' log-probabilities)
   include_usage: bool = False  # stream_options.include_usage: a last chunk with usage and no choices
   skip_special_tokens: bool = True  # special tokens (<bos>, image markers, ...) are left out of reply text
@@ -226,36 +245,96 @@ def parse_stop(value: Any) -> tuple[str, ...]:
   return tuple(x for x in stop if x)
 
 
-def parse_content(i: int, content: Any) -> str:
-  """A message's content: a string, or a list of text parts ``{"type": "text", "text": str}`` (joined with
-  newlines, as vLLM does). Image / audio / file parts are refused: this server loads the model text only."""
+def parse_content(i: int, content: Any, images: list[ImagePart] | None = None, max_images: int = 0, *,
+                  local_files: bool = False) -> str:
+  """A message's content: a string, or a list of parts: text parts ``{"type": "text", "text": str}`` and, when
+  ``max_images`` > 0, image parts ``{"type": "image_url", "image_url": {"url": str, "detail": ...}}`` (``detail``
+  ignored; the URL's scheme checked here, its image decoded later). Text parts in a row are joined with newlines
+  (as vLLM does); an image part becomes IMAGE_MARKER at its place, with nothing around it (so an image before the
+  text renders as ``m3jax chat`` / ``m3jax generate --image`` render it), and is appended to ``images``. Audio /
+  file / video parts are refused, as image parts are when the server takes no images."""
   if isinstance(content, str):
     return content
   if not isinstance(content, list) or not content:
     raise RequestError(f"message {i}: content must be a string or a non-empty list of text parts, got "
                        f"{_show(content)}", param=f"messages.[{i}].content")
-  texts = []
+  pieces: list[str] = []
+  previous_text = False
+  images = [] if images is None else images
   for j, part in enumerate(content):
     kind = part.get("type") if isinstance(part, dict) else None
+    where = f"messages.[{i}].content.[{j}]"
+    if kind == "image_url":
+      if max_images <= 0:
+        raise RequestError(f"message {i}, content part {j}: image_url parts are not supported (this server takes no "
+                           "images: the checkpoint has no vision tower, or it runs with --no-vision; send text "
+                           "parts)", param=where)
+      spec = part.get("image_url")
+      url = spec.get("url") if isinstance(spec, dict) else None
+      if not isinstance(url, str):
+        raise RequestError(f'{where}: expected {{"type": "image_url", "image_url": {{"url": "data:image/png;base64,'
+                           f'..."}}}}, got {_show(part)}', param=where)
+      if spec.get("detail") is not None and not isinstance(spec.get("detail"), str):
+        raise RequestError(f"{where}: image_url.detail must be a string (it is ignored), got "
+                           f"{_show(spec['detail'])}", param=where)
+      problem = url_scheme_error(url, files=local_files)
+      if problem is not None:
+        raise RequestError(f"{where}: {problem}", param=where)
+      if len(images) >= max_images:
+        raise RequestError(f"{where}: at most {max_images} images per request"
+                           f"{'' if local_files else ' (m3jax serve --max-images)'}", param=where)
+      images.append(ImagePart(where, url))
+      pieces.append(IMAGE_MARKER)
+      previous_text = False
+      continue
     if kind in _MEDIA_PARTS:
-      raise RequestError(f"message {i}, content part {j}: {kind} parts are not supported (this server loads the "
-                         "model text only; send text parts)", param=f"messages.[{i}].content.[{j}]")
+      raise RequestError(f"message {i}, content part {j}: {kind} parts are not supported (this server takes text "
+                         f"{'and image_url ' if max_images > 0 else ''}parts)", param=where)
     if kind != "text" or not isinstance(part.get("text"), str):
-      raise RequestError(f'message {i}, content part {j}: expected {{"type": "text", "text": str}}, got '
-                         f"{_show(part)}", param=f"messages.[{i}].content.[{j}]")
-    texts.append(part["text"])
-  return "\n".join(texts)
+      raise RequestError(f'message {i}, content part {j}: expected {{"type": "text", "text": str}}'
+                         f'{" or an image_url part" if max_images > 0 else ""}, got {_show(part)}', param=where)
+    pieces.append(("\n" if previous_text else "") + part["text"])
+    previous_text = True
+  return "".join(pieces)
 
 
-def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
-  """chat messages: a non-empty list of {"role": str, "content": str or text parts} (other keys dropped)."""
+def parse_chat(value: Any, max_images: int = 0, *, local_files: bool = False
+               ) -> tuple[tuple[dict[str, str], ...], tuple[ImagePart, ...]]:
+  """chat messages: a non-empty list of {"role": str, "content": str or parts} (other keys dropped) -> (the
+  messages with string contents, the image_url parts in order; at most ``max_images``; ``local_files``: file:
+  URLs allowed)."""
   if not isinstance(value, list) or not value:
     raise RequestError('"messages" must be a non-empty list of {"role", "content"} objects', param="messages")
   for i, m in enumerate(value):
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
       raise RequestError(f"message {i}: each message needs a string role and string content (or a list of text "
                          f"parts), got {_show(m)}", param=f"messages.[{i}]")
-  return tuple({"role": m["role"], "content": parse_content(i, m["content"])} for i, m in enumerate(value))
+  images: list[ImagePart] = []
+  messages = tuple({"role": m["role"], "content": parse_content(i, m["content"], images, max_images,
+                                                                 local_files=local_files)}
+                   for i, m in enumerate(value))
+  return messages, tuple(images)
+
+
+def url_scheme_error(url: str, *, files: bool) -> str | None:
+  """Why ``url`` is not an image URL the server reads (None when its scheme is one: ``data:``, and ``file:`` when
+  ``files``), checked without decoding anything (m3jax.image_urls decodes)."""
+  scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+  if scheme == "data" or (scheme == "file" and files):
+    return None
+  if scheme in ("http", "https"):
+    return ("image URLs are not fetched (this server does not reach the network); send the image inline as a "
+            "data: URL (data:image/png;base64,...)")
+  if scheme == "file":
+    return ("file: URLs are not read (the server does not open its clients' paths); send the image inline as a "
+            "data: URL (data:image/png;base64,...)")
+  return (f"expected a data: URL (data:image/png;base64,...){' or a file: URL' if files else ''}, got "
+          f"{url[:40]!r}")
+
+
+def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
+  """chat messages of text only: a non-empty list of {"role": str, "content": str or text parts}."""
+  return parse_chat(value)[0]
 
 
 def parse_prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
@@ -346,7 +425,8 @@ def parse_request(path: str, body: Any, limits: Limits) -> ParsedRequest:
                 logprobs=parse_logprobs(body, chat, limits), stream=stream, echo=echo, include_usage=include_usage,
                 skip_special_tokens=_flag(body, "skip_special_tokens", True))
   if chat:
-    return ParsedRequest(messages=parse_messages(body.get("messages")), **common)
+    messages, images = parse_chat(body.get("messages"), limits.max_images)
+    return ParsedRequest(messages=messages, images=images, **common)
   prompts = parse_prompts(body.get("prompt"))
   if len(prompts) * n > MAX_CHOICES:
     raise RequestError(f"{len(prompts)} prompts x n={n} choices: at most {MAX_CHOICES} per request", param="n")
@@ -363,18 +443,21 @@ def _same(value: Any, harmless: Any) -> bool:
     return False
 
 
-def check_prompt(ids: tuple[int, ...] | list[int], max_tokens: int, limits: Limits) -> None:
+def check_prompt(ids: tuple[int, ...] | list[int], max_tokens: int, limits: Limits, *,
+                 with_images: bool = False) -> None:
   """The prompt's token ids (given, or from the tokenizer) against the engine: at least one, each in the
-  vocabulary and not an image / video placeholder, and prompt + max_tokens within max_length."""
+  vocabulary, no image / video placeholder (unless ``with_images``: the server wrote them for the request's
+  image_url parts), and prompt + max_tokens within max_length."""
   if not ids:
     raise RequestError("the prompt has no tokens")
   bad = [t for t in ids if not 0 <= t < limits.vocab_size]
   if bad:
     raise RequestError(f"prompt ids outside [0, {limits.vocab_size}): {_show(bad[:8])}")
   placeholders = sorted(set(ids) & set(limits.placeholder_ids))
-  if placeholders:
-    raise RequestError(f"the prompt holds image / video placeholder tokens {placeholders} but this server takes "
-                       "no images; remove them")
+  if placeholders and not with_images:
+    raise RequestError(f"the prompt holds image / video placeholder tokens {placeholders} with no image behind "
+                       "them; remove them" + (" (send images as chat image_url parts)" if limits.max_images else
+                                              " (this server takes no images)"))
   if len(ids) + max_tokens > limits.max_length:
     raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the engine's max_length "
                        f"({limits.max_length})")

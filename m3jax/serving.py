@@ -5,8 +5,9 @@ OpenAPI document).
 
 Endpoints: ``POST /v1/completions`` (``prompt``: a text, token ids, or a list of either, each its own choice),
 ``POST /v1/chat/completions`` (``messages``, rendered with the checkpoint's chat template; contents as strings or
-text parts), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, m3jax.metrics), and the
-tokenizer: ``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's routes, what lm-eval's
+text parts, and with the model's vision tower image_url parts holding data: URLs: ``Server._multimodal``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, m3jax.metrics), and the tokenizer:
+``GET /tokenizer_info``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's routes, what lm-eval's
 ``tokenizer_backend=remote`` reads). ``stream: true`` sends server-sent events, one per decode call that gives a
 choice new text, then ``data: [DONE]`` (with ``stream_options.include_usage`` a last chunk with the usage and no
 choices before it). ``stop`` (a string or a list of them) ends the text before the first stop string, with
@@ -54,8 +55,8 @@ from m3jax.detokenize import TokenStrings
 from m3jax.engine import Engine, Update
 from m3jax.metrics import ServerMetrics
 from m3jax.reply import Piece, Reply, TextOffsets
-from m3jax.request_validation import (Limits, ParsedRequest, RequestError, check_prompt, default_body_limit,
-                                      parse_request)
+from m3jax.request_validation import (IMAGE_BODY_BYTES, Limits, ParsedRequest, RequestError, check_prompt,
+                                      default_body_limit, parse_request)
 
 __all__ = ["ClientGone", "Echo", "GenerationFailed", "Request", "RequestError", "Server"]
 
@@ -90,6 +91,7 @@ class Request:
   include_usage: bool = False
   skip_special_tokens: bool = True
   n: int = 1  # choices per prompt: choice c is prompt c // n's (c % n)-th
+  prompt_embeds: Any = None  # chat with images: the prompt's embeddings [1, len(prompt), H] (embed_multimodal)
 
   @property
   def prompt_tokens(self) -> int:
@@ -122,25 +124,32 @@ class Server:
     engine: the Engine to run (its slots, max_length and sampling serve every request).
     checkpoint: the checkpoint directory (tokenizer.json, chat template, generation_config.json, config.json).
     model_name: what ``/v1/models`` and responses report; a request naming another model gets a 404.
-    max_body_bytes: the largest request body read (default: request_validation.default_body_limit).
+    max_body_bytes: the largest request body read (default: request_validation.default_body_limit, plus
+      IMAGE_BODY_BYTES per image a request may hold).
+    max_images: image_url parts a chat request may hold when the engine's model has its vision tower (without
+      one the server takes no images).
   """
 
   def __init__(self, engine: Engine, checkpoint: str, model_name: str = "minimax-m3", *,
-               max_body_bytes: int | None = None):
+               max_body_bytes: int | None = None, max_images: int = 8):
+    if max_images < 0:
+      raise ValueError(f"max_images must be >= 0, got {max_images}")
     self.engine, self.checkpoint, self.model_name = engine, checkpoint, model_name
     self.tokenizer = tok_lib.load_tokenizer(checkpoint)
     self.token_strings = TokenStrings(self.tokenizer)
+    max_images = max_images if getattr(engine.model, "vision", None) is not None else 0
+    if max_body_bytes is None:
+      max_body_bytes = default_body_limit(engine.max_length) + IMAGE_BODY_BYTES * max_images
     self.limits = Limits(vocab_size=engine.model.config.text.vocab_size, max_length=engine.max_length,
-                         max_logprobs=engine.top_logprobs if engine.logprobs else None,
-                         max_body_bytes=default_body_limit(engine.max_length) if max_body_bytes is None
-                         else max_body_bytes,
-                         placeholder_ids=_placeholder_ids(checkpoint, engine), model_name=model_name)
+                         max_logprobs=engine.top_logprobs if engine.logprobs else None, max_body_bytes=max_body_bytes,
+                         placeholder_ids=_placeholder_ids(checkpoint, engine), model_name=model_name,
+                         max_images=max_images)
     self.metrics = ServerMetrics()
     self.tokenizer_info = _tokenizer_info(checkpoint, self.token_strings, engine)
     self._ids = itertools.count()
     self._pending: dict[int, queue.Queue] = {}  # request id -> where its updates go
     self._lock = threading.Condition()
-    self._scoring = threading.Lock()  # echo scoring: one forward at a time beside the engine's
+    self._scoring = threading.Lock()  # echo scoring and vision encoding: one forward at a time beside the engine's
     self._stopping = False
     self.failure: str | None = None  # why the server cannot serve any more (None while it can)
     self._worker = threading.Thread(target=self._work, name="m3jax-engine", daemon=True)
@@ -214,17 +223,22 @@ class Server:
 
   def prepare(self, parsed: ParsedRequest) -> Request:
     """A request whose fields are checked -> its prompts' ids (the chat template rendered, the texts tokenized),
-    each checked against the engine (vocabulary, placeholders, length)."""
+    each checked against the engine (vocabulary, placeholders, length); a chat request with images also gets
+    its prompt's embeddings (``_multimodal``)."""
+    embeds = None
     if parsed.messages is not None:
       try:
         text = tok_lib.render_messages(self.checkpoint, [dict(m) for m in parsed.messages])
       except ValueError as e:  # ChatTemplateError: the template refused the messages (raise_exception) or failed
         raise RequestError(str(e), param="messages") from None
-      prompts = [self.tokenizer.encode(text, add_special_tokens=False).ids]
+      if parsed.images:
+        prompts, embeds = self._multimodal(text, parsed)
+      else:
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False).ids]
     else:
       prompts = [self.tokenizer.encode(p, add_special_tokens=False).ids if isinstance(p, str) else list(p)
                  for p in parsed.prompts]
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(prompts if embeds is None else ()):  # (_multimodal checked its prompt)
       try:
         check_prompt(ids, parsed.max_tokens, self.limits)
       except RequestError as e:
@@ -233,7 +247,36 @@ class Server:
         raise RequestError(f"prompt {i}: {e}", e.status, param="prompt") from None
     return Request(tuple(tuple(p) for p in prompts), parsed.max_tokens, dict(parsed.sampling), parsed.stop,
                    parsed.logprobs, parsed.stream, parsed.echo, parsed.include_usage, parsed.skip_special_tokens,
-                   parsed.n)
+                   parsed.n, embeds)
+
+  def _multimodal(self, text: str, parsed: ParsedRequest) -> tuple[list[list[int]], Any]:
+    """The rendered chat with one IMAGE_MARKER per image_url part -> ([its ids], its embeddings [1, S, H]): each
+    image decoded and resized (m3jax.image_urls, a 400 naming its part when it cannot be), the markers expanded
+    to the images' placeholders (m3jax.vision.build_multimodal_inputs, as ``m3jax generate --image`` does), the
+    length checked, then the vision tower and the token embeddings (``model.embed_multimodal``), one such
+    forward at a time beside the engine's."""
+    from m3jax.image_urls import decode_image_url  # pylint: disable=g-import-not-at-top
+    from m3jax.vision import IMAGE_MARKER, build_multimodal_inputs  # pylint: disable=g-import-not-at-top
+
+    markers = text.count(IMAGE_MARKER)
+    if markers != len(parsed.images):
+      raise RequestError(f"the rendered messages hold {markers} image markers {IMAGE_MARKER!r} but the request has "
+                         f"{len(parsed.images)} image_url parts; send images as image_url parts only",
+                         param="messages")
+    images = [decode_image_url(part.url, part.where) for part in parsed.images]
+    model = self.engine.model
+    try:
+      inputs = build_multimodal_inputs(text, self.tokenizer, images=images, image_token_id=model.config.image_token_id)
+    except ValueError as e:  # a video marker in the text, a tokenizer without the image markers
+      raise RequestError(str(e), param="messages") from None
+    ids = inputs.input_ids[0].tolist()
+    check_prompt(ids, parsed.max_tokens, self.limits, with_images=True)
+    with self._scoring:
+      try:
+        embeds = model.embed_multimodal(inputs.input_ids, **inputs.pixel_kwargs())
+      except ValueError as e:  # the placeholders do not match the features (e.g. a placeholder id in the text)
+        raise RequestError(str(e), param="messages") from None
+    return [ids], embeds
 
   def submit(self, request: Request) -> tuple[list[int], queue.Queue]:
     """Queues one engine request per choice (n per prompt; none with max_tokens 0) -> (their ids, in choice order;
@@ -256,7 +299,8 @@ class Server:
           sampling["seed"] = (sampling["seed"] + j) % 2**31
         request_id = next(self._ids)
         try:
-          self.engine.submit(prompt, max_new_tokens=request.max_tokens, request_id=request_id, **sampling)
+          self.engine.submit(prompt, max_new_tokens=request.max_tokens, request_id=request_id,
+                             prompt_embeds=request.prompt_embeds, **sampling)
         except ValueError as e:
           for queued in ids:
             self._pending.pop(queued, None)

@@ -145,9 +145,19 @@ def _timed(server: Server, record: RequestRecord, pieces: Iterator[tuple[int, Pi
     pieces.close()
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+  """OpenAI's usage, with ``prompt_tokens_details.cached_tokens``: the prompt tokens read from the prefix cache."""
   return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-          "total_tokens": prompt_tokens + completion_tokens}
+          "total_tokens": prompt_tokens + completion_tokens,
+          "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached(request: Request, per_choice: list[int]) -> int:
+  """The request's cached prompt tokens from its choices' (``Piece.cached_tokens``): each prompt counted once, as
+  ``prompt_tokens`` counts it, with the fewest any of its choices read from the cache."""
+  if not per_choice:
+    return 0
+  return sum(min(per_choice[p * request.n:(p + 1) * request.n]) for p in range(len(request.prompts)))
 
 
 def _per_choice(echoes: list[Echo] | None, request: Request) -> list[Echo] | None:
@@ -163,12 +173,13 @@ def _whole(server: Server, pieces, request: Request, chat: bool, reply: dict[str
       merged[i].append(piece)
   except (GenerationFailed, RequestError) as e:
     return json_head(500, error_body(f"generation failed: {e}", 500))
-  choices, generated = [], 0
+  choices, generated, cached = [], 0, []
   echoes = _per_choice(echoes, request)
   for i, own in enumerate(merged):
     text = "".join(p.text for p in own)
     finish = own[-1].finish_reason if own else "length"  # max_tokens 0: the prompt alone
     generated += own[-1].generated if own else 0
+    cached.append(max((p.cached_tokens for p in own), default=0))
     logprobs = None
     if request.logprobs is not None:
       whole = Piece(text=text, finish_reason=finish, generated=0, ids=[t for p in own for t in p.ids],
@@ -187,7 +198,7 @@ def _whole(server: Server, pieces, request: Request, chat: bool, reply: dict[str
       choice = {"index": i, "text": (echoes[i].text if echoes else "") + text}
     choices.append({**choice, "logprobs": logprobs, "finish_reason": finish})
   return json_head(200, {**reply, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                         "usage": _usage(request.prompt_tokens, generated)})
+                         "usage": _usage(request.prompt_tokens, generated, _cached(request, cached))})
 
 
 def _event(payload: dict[str, Any]) -> bytes:
@@ -204,7 +215,7 @@ def _stream(server: Server, pieces, request: Request, chat: bool, reply: dict[st
   if request.include_usage:
     reply["usage"] = None  # OpenAI's chunks carry "usage": null until the last one
   started: set[int] = set()
-  generated = [0] * request.choices
+  generated, cached = [0] * request.choices, [0] * request.choices
   echoes = _per_choice(echoes, request)
   shift = [len(e.text) for e in echoes] if echoes else [0] * request.choices
   if echoes:  # each choice starts with its prompt
@@ -215,7 +226,7 @@ def _stream(server: Server, pieces, request: Request, chat: bool, reply: dict[st
       yield _event({**reply, "choices": [choice]})
   try:
     for i, piece in pieces:
-      generated[i] = piece.generated
+      generated[i], cached[i] = piece.generated, max(cached[i], piece.cached_tokens)
       if not piece.text and piece.finish_reason is None:
         continue  # held back (a partial character, or a possible stop string's start)
       if chat:
@@ -235,5 +246,6 @@ def _stream(server: Server, pieces, request: Request, chat: bool, reply: dict[st
     yield _event(error_body(f"internal error: {type(e).__name__}: {e}", 500))
   else:
     if request.include_usage:
-      yield _event({**reply, "choices": [], "usage": _usage(request.prompt_tokens, sum(generated))})
+      yield _event({**reply, "choices": [],
+                     "usage": _usage(request.prompt_tokens, sum(generated), _cached(request, cached))})
   yield b"data: [DONE]\n\n"

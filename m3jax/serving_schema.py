@@ -67,9 +67,23 @@ class TextPart(_Request):
   text: str
 
 
+class ImageUrl(_Request):
+  url: str = Field(description="a data: URL with a base64 image (data:image/png;base64,...: PNG, JPEG, WebP, GIF, "
+                               "BMP, TIFF); http(s):// and file: URLs are not fetched (400)")
+  detail: str | None = Field(None, description="ignored (every image is resized to at most 672 x 672 pixels)")
+
+
+class ImagePart(_Request):
+  """An image, where the chat template puts the image's placeholder tokens (only on a server with the vision
+  tower: a text-only one answers 400)."""
+
+  type: Literal["image_url"]
+  image_url: ImageUrl
+
+
 class ChatMessage(_Request):
   role: str = Field(description="one the chat template takes (OpenAI's: system, user, assistant, ...)")
-  content: str | Annotated[list[TextPart], Field(min_length=1)]
+  content: str | Annotated[list[Annotated[TextPart | ImagePart, Field(discriminator="type")]], Field(min_length=1)]
   name: str | None = None
 
 
@@ -121,10 +135,16 @@ class Unavailable(ErrorResponse):
   status: Literal["loading"] | None = None
 
 
+class PromptTokensDetails(BaseModel):
+  cached_tokens: int = Field(description="prompt tokens read from the prefix cache (whole pages) instead of "
+                                         "prefilled; a prompt with n choices counts its fewest")
+
+
 class Usage(BaseModel):
   prompt_tokens: int
   completion_tokens: int
   total_tokens: int
+  prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -233,7 +253,10 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
   """pydantic's first error -> (a one-line message naming the field, the field as OpenAI's ``param``:
   "messages.[0].content")."""
   first = errors[0]
-  loc = [part for part in first.get("loc", ()) if not _is_union_tag(part)]
+  loc = []
+  for part in first.get("loc", ()):  # a discriminated union names the tag before the field ("image_url", "image_url")
+    if not _is_union_tag(part) and not (loc and isinstance(part, str) and loc[-1] == part):
+      loc.append(part)
   param = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc) or None
   return (f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid body")), param
 

@@ -34,11 +34,12 @@ def build_checkpoint(directory) -> str:
 
 
 @contextlib.contextmanager
-def served_checkpoint(directory):
+def served_checkpoint(directory, *, vision: bool = False):
   """A served tiny checkpoint on a free localhost port (m3jax.serving_http, on its own thread) -> {"url", "model",
-  "ckpt", "tok", "engine", "server"}; shut down on exit."""
+  "ckpt", "tok", "engine", "server"}; shut down on exit. ``vision``: with the checkpoint's vision tower (chat
+  takes images), as ``m3jax serve`` loads it; without, the text backbone (``m3jax serve --no-vision``)."""
   ckpt = build_checkpoint(directory)
-  model = m3jax.load(ckpt, kernels="reference", text_only=True)
+  model = m3jax.load(ckpt, kernels="reference", text_only=not vision)
   engine = Engine(model, **ENGINE_SHAPES)
   server = Server(engine, ckpt, model_name=MODEL_NAME)
   httpd = serve(server, port=0)

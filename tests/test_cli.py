@@ -297,18 +297,55 @@ def test_batch_lines_set_their_own_max_tokens_and_sampling(demo_dir, tmp_path):
   assert s1["completion_ids"] != plain.tokens[0, :plain.lengths[0]].tolist()  # its temperature was used
 
 
+def test_batch_messages_lines_take_images_as_data_and_file_urls(demo_dir, tmp_path):
+  """Chat lines with image parts (a file: URL relative to the input file, the same image as a data: URL) get
+  generate's greedy tokens on the rendered ids and embed_multimodal's embeddings; a text chat line too."""
+  import base64  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  from m3jax.vision import IMAGE_MARKER, build_multimodal_inputs  # pylint: disable=g-import-not-at-top
+
+  (tmp_path / "media").mkdir()
+  Image.fromarray((np.random.default_rng(0).random((60, 90, 3)) * 255).astype("uint8")).save(tmp_path / "media/a.png")
+  data = "data:image/png;base64," + base64.b64encode((tmp_path / "media/a.png").read_bytes()).decode()
+  text = {"type": "text", "text": "Describe."}
+  requests = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, text]}]}
+              for url in ("file:media/a.png", data)] + [{"messages": [{"role": "user", "content": "Describe."}]}]
+  src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+  src.write_text("\n".join(json.dumps(r) for r in requests) + "\n")
+  assert cli.main(["batch", str(demo_dir), "--input", str(src), "--output", str(dst), "--batch-size", "2",
+                   "--max-new-tokens", "4", "--kernels", "reference"]) == 0
+  lines = [json.loads(x) for x in dst.read_text().splitlines()]
+  model, tok = m3jax.load(demo_dir, kernels="reference"), load_tokenizer(demo_dir)
+  eos = model.config.text.eos_token_ids
+  for content, images, line in ((IMAGE_MARKER + "Describe.", [tmp_path / "media/a.png"], lines[0]),
+                                (IMAGE_MARKER + "Describe.", [tmp_path / "media/a.png"], lines[1]),
+                                ("Describe.", [], lines[2])):
+    rendered = render_messages(demo_dir, [{"role": "user", "content": content}])
+    inputs = build_multimodal_inputs(rendered, tok, images=images)
+    embeds = model.embed_multimodal(inputs.input_ids, **inputs.pixel_kwargs()) if images else None
+    alone = generate(model, inputs.input_ids.tolist(), max_new_tokens=4, eos_token_ids=eos, prompt_embeds=embeds)
+    assert line["completion_ids"] == alone.tokens[0, : alone.lengths[0]].tolist()
+    assert line["prompt_tokens"] == inputs.input_ids.shape[1]
+  assert lines[0]["prompt_tokens"] == lines[2]["prompt_tokens"] + 8  # start, 6 placeholders (24 patches / 4), end
+
+
 @pytest.mark.parametrize("line, message", [
     ("not json", "in.jsonl:2:1: not JSON (Expecting value at line 2 column 1)"),
     ('{"prompt": x}', "in.jsonl:2:12: not JSON (Expecting value at line 2 column 12)"),  # the decoder's column
     ('{"prompt": "a", "temperature": -1}', "in.jsonl:2: temperature must be a finite number >= 0, got -1"),
     ('{"prompt": "a", "top_k": 2147483648}', "in.jsonl:2: top_k must be an integer in [-1, 2147483647]"),
     ('{"prompt": "a", "max_tokens": 0}', 'in.jsonl:2: "max_tokens" must be a positive integer, got 0'),
-    ('{"prompt": "a", "prompt_ids": [1]}', 'in.jsonl:2: expected an object with "prompt"'),
+    ('{"prompt": "a", "prompt_ids": [1]}', 'in.jsonl:2: expected an object with one of "prompt"'),
     ('{"prompt_ids": [1, "x"]}', '"prompt_ids" must be a non-empty list of ints'),
     ('{"prompt_ids": [1, 100000]}', "in.jsonl:2: token ids outside [0, "),
     ('{"prompt": ""}', '"prompt" must be a non-empty string'),
     ('{"prompt": "a", "stop": [""]}', 'in.jsonl:2: "stop" must be a non-empty string or a list of them'),
     ('{"prompt_ids": [7, 5]}', "in.jsonl:2: the prompt ids hold image / video placeholder tokens [5]"),
+    ('{"prompt": "a", "messages": []}', 'in.jsonl:2: expected an object with one of "prompt"'),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a"}}]}]}',
+     "in.jsonl:2: messages.[0].content.[0]: image URLs are not fetched"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": '
+     '{"url": "file:missing.png"}}]}]}', "in.jsonl:2: messages.[0].content.[1]: no such image file "),
 ])
 @pytest.mark.quick
 def test_batch_names_the_bad_line(capsys, demo_dir, tmp_path, line, message):

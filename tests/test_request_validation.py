@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from m3jax.request_validation import (CHAT, COMPLETIONS, INT32_MAX, Limits, RequestError, body_length, check_prompt,
-                                      decode_body, parse_request)
+from m3jax.request_validation import (CHAT, COMPLETIONS, IMAGE_MARKER, INT32_MAX, ImagePart, Limits, RequestError,
+                                      body_length, check_prompt, decode_body, parse_request)
 from m3jax.sampling import SamplingParams
 
 LIMITS = Limits(vocab_size=384, max_length=256, max_logprobs=3, max_body_bytes=10_000, placeholder_ids=(5, 6),
@@ -22,6 +22,41 @@ def _refused(path, body, status=400):
     parse_request(path, body, LIMITS)
   assert e.value.status == status
   return str(e.value)
+
+
+@pytest.mark.quick
+def test_image_parts_become_markers_on_a_server_that_takes_images():
+  limits = Limits(vocab_size=384, max_length=256, placeholder_ids=(5, 6), max_images=2)
+  url = "data:image/png;base64,iVBORw0KGgo="
+
+  def chat(content):
+    return parse_request(CHAT, {"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": content}]}, limits)
+
+  def image(u=url):
+    return {"type": "image_url", "image_url": {"url": u, "detail": "high"}}
+
+  text = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+  parsed = chat([image(), *text, image("data:image/jpeg;base64,/9j/"), {"type": "text", "text": "c"}])
+  assert parsed.messages[1]["content"] == IMAGE_MARKER + "a\nb" + IMAGE_MARKER + "c"  # text parts joined, images bare
+  assert parsed.images == (ImagePart("messages.[1].content.[0]", url),
+                           ImagePart("messages.[1].content.[3]", "data:image/jpeg;base64,/9j/"))
+  assert chat("plain").images == ()
+  for content, param, message in (
+      ([image("http://x.org/a.png")], "messages.[1].content.[0]", "image URLs are not fetched"),
+      ([*text, image("file:a.png")], "messages.[1].content.[2]", "file: URLs are not read"),
+      ([image("a.png")], "messages.[1].content.[0]", "expected a data: URL"),
+      ([image()] * 3, "messages.[1].content.[2]", "at most 2 images per request"),
+      ([{"type": "image_url", "image_url": "data:,"}], "messages.[1].content.[0]", 'expected {"type": "image_url"'),
+      ([{"type": "input_audio"}], "messages.[1].content.[0]", "input_audio parts are not supported"),
+  ):
+    with pytest.raises(RequestError) as e:
+      chat(content)
+    assert e.value.param == param and message in str(e.value), str(e.value)
+  # Placeholder ids of the client's own are refused either way; the server's own (with_images) pass.
+  with pytest.raises(RequestError, match=r"placeholder tokens \[5\] with no image behind them; remove them \(send "):
+    check_prompt([1, 5], 2, limits)
+  check_prompt([1, 5], 2, limits, with_images=True)
 
 
 @pytest.mark.quick

@@ -115,7 +115,8 @@ def test_requests_it_cannot_serve_get_a_400_naming_why(served, path, body, messa
 def test_greedy_defaults_are_accepted_and_unknown_routes_are_404(served):
   r = _post(served["url"] + "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 2, "temperature": 0,
                                                  "top_p": 1.0})
-  assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+  assert r["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                        "prompt_tokens_details": {"cached_tokens": 0}}  # no full page: nothing to read from the cache
   with pytest.raises(urllib.error.HTTPError) as e:
     _post(served["url"] + "/v1/embeddings", {"input": "x"})
   assert e.value.code == 404
@@ -133,7 +134,9 @@ def test_serve_command_starts_a_server(served):
                           text=True, env={**os.environ, "PYTHONPATH": repo, "JAX_PLATFORMS": "cpu"})
   try:
     line = proc.stderr.readline()
-    port = re.search(r"http://127.0.0.1:(\d+)/v1 \(2 slots, up to 128 tokens per request\)", line)
+    # A vision-language checkpoint: its vision tower is loaded (text replies are the text backbone's all the same).
+    port = re.search(r"http://127.0.0.1:(\d+)/v1 \(2 slots, up to 128 tokens per request, up to 8 images per chat "
+                     r"request\)", line)
     assert port, line
     r = _post(f"http://127.0.0.1:{port.group(1)}/v1/completions", {"prompt": "Hello", "max_tokens": 3})
     assert r["choices"][0]["text"] == _greedy(served, served["tok"].encode("Hello", add_special_tokens=False).ids,
@@ -427,7 +430,8 @@ def test_echo_gives_the_prompt_its_log_probabilities_and_every_generated_token(s
   r = _post(served["url"] + "/v1/completions", {"prompt": [a, b], "max_tokens": 1, "logprobs": 1, "echo": True,
                                                  "temperature": 0, "model": "tiny-m3", "seed": 1234})
   assert [c["index"] for c in r["choices"]] == [0, 1]
-  assert r["usage"] == {"prompt_tokens": len(a) + len(b), "completion_tokens": 2, "total_tokens": len(a) + len(b) + 2}
+  assert r["usage"] == {"prompt_tokens": len(a) + len(b), "completion_tokens": 2, "total_tokens": len(a) + len(b) + 2,
+                        "prompt_tokens_details": {"cached_tokens": 0}}
   for ids, choice in zip((a, b), r["choices"]):
     lp = choice["logprobs"]
     text, _, gen = _greedy(served, ids, 1)

@@ -4,6 +4,8 @@ not a 5xx, within a timeout (no hang), whose status, content type and JSON body 
 them the server is healthy and the engine holds no request. A few examples per operation (hypothesis,
 derandomized), generation lengths capped by ``_bounded`` so that it stays cheap on the tiny served checkpoint."""
 
+import base64
+import io
 import json
 import time
 import urllib.request
@@ -11,6 +13,7 @@ import urllib.request
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from PIL import Image
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
                                                status_code_conformance)
@@ -24,7 +27,7 @@ MAX_TOKENS, MAX_N, MAX_PROMPTS = 4, 2, 3  # generation bounded: prompts x n x ma
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  with served_checkpoint(tmp_path_factory.mktemp("fuzz")) as s:
+  with served_checkpoint(tmp_path_factory.mktemp("fuzz"), vision=True) as s:  # image parts are decoded
     yield s
 
 
@@ -65,12 +68,37 @@ def _bounded(case) -> None:
       body[key] = cap
   messages = body.get("messages")
   if isinstance(messages, list):  # the test template refuses other roles (tested in test_serving)
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+      body["max_tokens"] = MAX_TOKENS  # chat's default (256) does not fit the tiny engine (tested in test_serving)
     for m in messages:
       if isinstance(m, dict) and isinstance(m.get("role"), str):
         m["role"] = "user"
+      for part in m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
+        _image_url(part)
   prompt = body.get("prompt")
   if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
     body["prompt"] = prompt[:MAX_PROMPTS]
+
+
+def _png_url() -> str:
+  """A 30 x 20 PNG as a data: URL: what a generated image part's URL becomes one time in three."""
+  out = io.BytesIO()
+  Image.new("RGB", (30, 20), (200, 120, 40)).save(out, format="PNG")
+  return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+_PNG = _png_url()
+
+
+def _image_url(part) -> None:
+  """An image part's generated URL kept (random text: a 400), its text sent as a base64 data URL's bytes (not an
+  image: a 400), or a real image (a reply), by its length modulo 3."""
+  spec = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+  url = spec.get("url") if isinstance(spec, dict) else None
+  if isinstance(url, str) and len(url) % 3 == 1:
+    spec["url"] = "data:image/png;base64," + base64.b64encode(url.encode("utf-8", "replace")).decode()
+  elif isinstance(url, str) and len(url) % 3 == 2:
+    spec["url"] = _PNG
 
 
 def _wait_until_idle(engine, seconds=60) -> None:

@@ -43,7 +43,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "/metrics polls, warning none")
   p.add_argument("--max-request-bytes", type=int, default=None,
                  help="largest request body accepted, checked from Content-Length before it is read (default: 64 "
-                      "bytes per --max-length token + 64 KiB)")
+                      "bytes per --max-length token + 64 KiB, + 16 MiB per --max-images with the vision tower)")
+  p.add_argument("--no-vision", action="store_true",
+                 help="load the text backbone only, even for a vision-language checkpoint (chat image_url parts "
+                      "then get a 400); by default its vision tower is loaded and chat takes data: URL images")
+  p.add_argument("--max-images", type=int, default=8,
+                 help="image_url parts a chat request may hold, with the vision tower (default 8; 0: as "
+                      "--no-vision)")
   options.add_eos_argument(p)
   p.add_argument("--kernels", default=None, help="reference | pallas | auto (default $M3JAX_KERNELS or auto)")
   parallel_cli.add_mesh_arguments(p, distributed=False)
@@ -62,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     raise ValueError(f"--max-logprobs must be >= -1 (-1: off), got {args.max_logprobs}")
   if args.max_request_bytes is not None and args.max_request_bytes < 1:
     raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+  if args.max_images < 0:
+    raise ValueError(f"--max-images must be >= 0, got {args.max_images}")
   try:
     from m3jax.serving_http import attach, bind  # pylint: disable=g-import-not-at-top
   except ModuleNotFoundError as e:
@@ -73,19 +81,24 @@ def run(args: argparse.Namespace) -> int:
   httpd = bind(args.host, args.port).start()  # a port in use fails now; until the model is loaded: 503s
   server = None
   try:
-    model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=True, **parallel_cli.load_kwargs(args))
+    # The vision tower (when the checkpoint has one) is a small part of the model: loaded unless --no-vision.
+    model = m3jax.load(args.checkpoint, kernels=args.kernels, text_only=args.no_vision or not args.max_images,
+                       **parallel_cli.load_kwargs(args))
     eos = options.stop_ids(args, args.checkpoint, model.config.text.eos_token_ids, model.config.text.vocab_size)
     engine = Engine(model, slots=args.slots, max_tokens_in_cache=args.cache_tokens,
                     max_length=min(args.max_length, model.config.text.max_position_embeddings),
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                     eos_token_ids=eos, steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk,
                     logprobs=args.max_logprobs >= 0, top_logprobs=max(args.max_logprobs, 0))
-    server = Server(engine, args.checkpoint, model_name=args.model_name, max_body_bytes=args.max_request_bytes)
+    server = Server(engine, args.checkpoint, model_name=args.model_name, max_body_bytes=args.max_request_bytes,
+                    max_images=args.max_images)
     _log_to_stderr(args.log_level)
     attach(httpd, server)
     host, port = httpd.address
+    images = (f", up to {server.limits.max_images} images per chat request" if server.limits.max_images
+              else ", text only")
     print(f"[m3jax] serving {args.checkpoint} as {args.model_name!r} on http://{host}:{port}/v1 ({args.slots} "
-          f"slots, up to {engine.max_length} tokens per request)", file=sys.stderr, flush=True)
+          f"slots, up to {engine.max_length} tokens per request{images})", file=sys.stderr, flush=True)
     httpd.wait()
   except (KeyboardInterrupt, Terminated):
     if server is None:
