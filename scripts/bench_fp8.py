@@ -85,7 +85,12 @@ def spin(ms: float = 150.0) -> None:
 
 
 def alternating(fa, aa, fb, ab, *, reps: int, rounds: int = 5) -> tuple[float, float]:
-  """Median ms of fa(*aa) and fb(*ab), timed in alternating rounds (after a GPU spin), so clock drift hits both."""
+  """Median ms of fa(*aa) and fb(*ab), timed in alternating rounds (after a GPU spin), so clock drift hits both.
+  One round under --tiny (the GPU interpreter: its times mean nothing, as in bench_moe.timeit)."""
+  import bench_moe  # pylint: disable=g-import-not-at-top
+
+  if bench_moe.TINY:
+    rounds = 1
   jax.block_until_ready(fa(*aa)), jax.block_until_ready(fb(*ab))  # compiled before the spin
   spin()
   sa, sb = [], []
