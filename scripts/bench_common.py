@@ -9,9 +9,18 @@ import jax
 import jax.numpy as jnp
 
 
+# Set by a script's CPU dry run (kernels in the GPU interpreter, whose times mean nothing): every measurement below
+# is one synchronised call, without a warm-up call before it. The call still checks the code path and its output.
+DRY_RUN = False
+
+
 def timed_ms(fn, *args, repeats: int) -> float:
-  """Median wall time (ms) of fn(*args), each call synchronised, after one warm-up call (which compiles)."""
-  jax.block_until_ready(fn(*args))
+  """Median wall time (ms) of fn(*args), each call synchronised, after one warm-up call (which compiles); one
+  call, no warm-up, under ``DRY_RUN``."""
+  if DRY_RUN:
+    repeats = 1
+  else:
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -22,7 +31,12 @@ def timed_ms(fn, *args, repeats: int) -> float:
 
 def gpu_ms(fn, *args, iters=5):
   """(output, median GPU ms, timer) of fn(*args): CUPTI kernel time (launch gaps excluded) if jax's Mosaic
-  GPU profiler can measure it, else the median wall clock of synchronised calls."""
+  GPU profiler can measure it, else the median wall clock of synchronised calls (one call, no warm-up, under
+  ``DRY_RUN``)."""
+  if DRY_RUN:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return out, (time.perf_counter() - t0) * 1e3, "wall"
   try:
     from jax.experimental.mosaic.gpu import profiler
     out, times = profiler.measure(fn, iterations=iters)(*args)

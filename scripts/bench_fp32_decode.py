@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import bench_common
 from bench_common import gpu_ms, timed_ms
 from m3jax.config import M3Config, TextConfig
 from m3jax.generate import _decode
@@ -129,7 +130,8 @@ def main() -> None:
   args = p.parse_args()
   h, i, e, top_k, context = (2048, 512, 128, 4, 1024) if not args.smoke else (256, 128, 8, 2, 256)
   interpret, block_iters, loop_repeats = False, 5, 3  # timed calls per measurement
-  if args.smoke:  # interpret mode: its timings mean nothing, one timed call each checks the code path
+  if args.smoke:  # interpret mode: its timings mean nothing, one call each (no warm-up) checks the code path
+    bench_common.DRY_RUN = True
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
     interpret = plgpu.InterpretGPUParams()
     args.rounds, args.steps, args.layers, args.batch, block_iters, loop_repeats = 1, 2, 1, 2, 1, 1

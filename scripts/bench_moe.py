@@ -54,10 +54,10 @@ def block_args(x, w, bias=None):
 
 
 def timeit(f, *args, reps: int = 10, rounds: int = 5, warmup: int = 2) -> float:
-  """Median seconds per call over `rounds` rounds of `reps` back-to-back calls (after warm-up); one call after
-  one warm-up under --tiny (the GPU interpreter: its times mean nothing, the call checks the code path)."""
+  """Median seconds per call over `rounds` rounds of `reps` back-to-back calls (after warm-up); one call, no
+  warm-up, under --tiny (the GPU interpreter: its times mean nothing, the call checks the code path)."""
   if TINY:
-    reps, rounds, warmup = 1, 1, 1
+    reps, rounds, warmup = 1, 1, 0
   for _ in range(warmup):
     jax.block_until_ready(f(*args))
   times = []

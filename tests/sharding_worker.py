@@ -9,12 +9,14 @@ must be set before jax is imported). Prints one JSON object on the last stdout l
   python tests/sharding_worker.py cuda_lowering MESH ...            Mosaic GPU kernels per lowered step
   python tests/sharding_worker.py fused_projection MESH[+sp] ...    fused q/k/v GEMM vs one GEMM per weight
   python tests/sharding_worker.py prepared_experts MESH ...         fp32 experts' kernel operands per device
-  python tests/sharding_worker.py speculative MESH[+sp] ...         MTP speculative decoding vs one device
+  python tests/sharding_worker.py speculative [*]MESH[+sp] ...      MTP speculative decoding vs one device
   python tests/sharding_worker.py fp8 FIXTURE:[converted:]MESH ...     weights kept in fp8, sharded: HF logits
 
 MESH is 'expert=4,tensor=2'; a '+sp' suffix uses the sequence-parallel rules (RULES_SP). For generate, a '*'
-prefix also runs a Conversation and the Engine on that mesh (host logic over the same sharded steps; their
-own compiles cost about half of a mesh's time, so the test runs them on two plans, not all five).
+prefix also runs generate_stream, a Conversation and the Engine on that mesh (host logic over the same sharded
+steps; their own compiles cost about half of a mesh's time, so the test runs them on two plans, not all five); for
+speculative, the stream (the same start and round functions as generate_speculative's one program, in calls of
+2 rounds: host logic and two more compiles per mesh, so the test streams on two of its four plans).
 Environment: M3JAX_TEST_DEVICES (default 8) local CPU devices.
 """
 
@@ -137,16 +139,18 @@ def generate(fixture: str, *meshes: str) -> dict:
     start = time.perf_counter()
     model = _load(fixture, mesh)
     tokens = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=()).tokens
-    # generate_stream: a Decoder's pre-fused projection weights (sharded per device) passed into its steps
-    streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(),
-                                             steps_per_call=3)), axis=1)
     # Chunked prefill: a lax.scan over 64-token chunks of the (sequence-parallel) prompt, caches in its carry.
     chunked = gen(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(), prefill_chunk=64).tokens
     caches = model.init_caches(len(prompts), 256)
     out[mesh] = {"equal": bool((tokens == want).all()), "mismatches": int((tokens != want).sum()),
-                 "stream_equal": bool((streamed == want).all()), "chunked_equal": bool((chunked == want).all()),
+                 "chunked_equal": bool((chunked == want).all()),
                  "cache_k": [list(caches[0].k.shape), str(caches[0].k.sharding.spec)]}
     if every_path:
+      # generate_stream: a Decoder's pre-fused projection weights (sharded per device) passed into its steps
+      # (generate's loop runs the same decode step on the same prepared weights, inside one program).
+      streamed = np.stack(list(generate_stream(model, prompts, max_new_tokens=want.shape[1], eos_token_ids=(),
+                                               steps_per_call=3)), axis=1)
+      out[mesh]["stream_equal"] = bool((streamed == want).all())
       # A Conversation (batch 1): turn 2 continues turn 1's caches and must reply as one device's generate on the
       # whole text.
       conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
@@ -383,19 +387,21 @@ def speculative(*mesh_args: str) -> dict:
 
   want = run(m3jax.load(path, kernels="reference", with_mtp=True))
   out = {"acceptance": want.acceptance_rate}
-  for arg in mesh_args:
+  for spec in mesh_args:
+    arg, streams = spec.removeprefix("*"), spec.startswith("*")
     mesh, rules = _mesh_and_rules(arg)
     model = m3jax.load(path, kernels="reference", with_mtp=True, mesh=mesh, axis_rules=rules)
     got = run(model)
-    chunks = list(generate_speculative_stream(model, prompts, max_new_tokens=16, num_draft_tokens=2, eos_token_ids=(),
-                                              rounds_per_call=2))
-    streamed = [np.concatenate([c[b] for c in chunks]) for b in range(len(prompts))]
     out[arg] = {"tokens_equal": bool(np.array_equal(got.tokens, want.tokens)),
-                "stream_equal": all(np.array_equal(s, want.tokens[b]) for b, s in enumerate(streamed)),
                 "drafts_equal": bool(np.array_equal(got.drafts, want.drafts)
                                      and np.array_equal(got.accepted_drafts, want.accepted_drafts)),
                 "eh_proj_spec": str(model.mtp[0].eh_proj[...].sharding.spec),
                 "mtp_q_proj_spec": str(model.mtp[0].layer.attn.q_proj[...].sharding.spec)}
+    if streams:  # the stream: the same _start and speculative_round as one program, split over calls
+      chunks = list(generate_speculative_stream(model, prompts, max_new_tokens=16, num_draft_tokens=2,
+                                                eos_token_ids=(), rounds_per_call=2))
+      streamed = [np.concatenate([c[b] for c in chunks]) for b in range(len(prompts))]
+      out[arg]["stream_equal"] = all(np.array_equal(s, want.tokens[b]) for b, s in enumerate(streamed))
   return out
 
 

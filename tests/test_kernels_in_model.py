@@ -37,6 +37,17 @@ def _on_references(model: m3jax.M3ForCausalLM) -> m3jax.M3ForCausalLM:
   return nnx.merge(nnx.graphdef(shape), nnx.state(model))
 
 
+def _padded_full_forward(reference: m3jax.M3ForCausalLM, width: int = 512):
+  """ids (<= width of them) -> the reference's logits fp32 [len(ids), V] from one forward over the ids right-padded
+  to ``width``: one compiled program for every length (causal: the padding does not reach the real positions)."""
+  run = jax.jit(lambda i: reference.forward(i, positions=jnp.arange(width, dtype=jnp.int32)[None],
+                                            caches=reference.init_caches(1, width)).logits[0])
+
+  def full_forward(ids: list[int]) -> np.ndarray:
+    return np.asarray(run(jnp.asarray([ids + [0] * (width - len(ids))], jnp.int32)))[:len(ids)]
+  return full_forward
+
+
 @pytest.mark.slow
 def test_bf16_model_on_kernels_matches_the_reference_path(caplog):
   cfg = _kernel_ready_config()
@@ -140,11 +151,10 @@ def test_speculative_decoding_on_kernels():
   out = generate_speculative(model, prompts, max_new_tokens=6, num_draft_tokens=2, eos_token_ids=())
   assert out.drafts.shape[2] == 2 and out.rounds.min() >= 2
   reference = _on_references(model)
-  full_forward = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)))
+  full_forward = _padded_full_forward(reference)
   for row, p in enumerate(prompts):
     seq = p + out.tokens[row].tolist()
-    logits = np.asarray(full_forward(jnp.asarray([seq], jnp.int32),
-                                     jnp.arange(len(seq), dtype=jnp.int32)[None]).logits[0, len(p) - 1:-1])
+    logits = full_forward(seq)[len(p) - 1:len(seq) - 1]
     chosen = logits[np.arange(6), out.tokens[row]]
     assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (row, logits.max(-1) - chosen)
 
@@ -186,7 +196,7 @@ def test_conversation_on_kernels(caplog):
   rng = np.random.default_rng(2)
   conv = Conversation(model, max_length=512, eos_token_ids=(), steps_per_call=3)
   reference = _on_references(model)
-  full_forward = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)))
+  full_forward = _padded_full_forward(reference)
   prompt = rng.integers(0, 256, 300).tolist()
   with caplog.at_level(logging.WARNING, logger="m3jax.ops"):
     for turn in range(2):
@@ -194,8 +204,7 @@ def test_conversation_on_kernels(caplog):
       if turn == 1:
         assert (conv.last_turn.reused, conv.last_turn.prefilled) == (303, 150)
       seq = prompt + reply
-      logits = np.asarray(full_forward(jnp.asarray([seq], jnp.int32),
-                                       jnp.arange(len(seq), dtype=jnp.int32)[None]).logits[0, len(prompt) - 1:-1])
+      logits = full_forward(seq)[len(prompt) - 1:len(seq) - 1]
       chosen = logits[np.arange(3), reply]
       assert np.all(chosen >= logits.max(-1) - 2e-2 * np.abs(logits).max()), (turn, logits.max(-1) - chosen)
       prompt = seq + rng.integers(0, 256, 150).tolist()

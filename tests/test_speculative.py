@@ -201,11 +201,12 @@ def test_speculative_stops_like_generate():
 def _exact_joint(model, prompt, sampling, steps):
   """The target's exact distribution of its first ``steps`` sampled tokens: {token tuple: probability}."""
   joint = {(): 1.0}
+  last_probs = jax.jit(lambda ids: jax.nn.softmax(filtered_logits(model.forward(ids).logits[:, -1], sampling), -1))
   for _ in range(steps):
     nxt = {}
     seqs = list(joint)
     ids = jnp.asarray([prompt + list(s) for s in seqs], jnp.int32)
-    probs = np.asarray(jax.nn.softmax(filtered_logits(model.forward(ids).logits[:, -1], sampling), axis=-1))
+    probs = np.asarray(last_probs(ids))  # one program per step, not each op compiled on its own (eager)
     for seq, p_seq, row in zip(seqs, joint.values(), probs):
       for tok in np.flatnonzero(row > 1e-9):
         nxt[seq + (int(tok),)] = p_seq * float(row[tok])
@@ -240,20 +241,24 @@ def test_sampled_speculative_tokens_follow_the_target_distribution():
 
 def _drafted_joint(model, prompt, sampling):
   """Distribution of (x_L, d_1, d_2) when x_L is the target's sample and d_1, d_2 the MTP's drafts (exact)."""
-  out = model.forward(jnp.asarray([prompt], jnp.int32))
+  out = jax.jit(model.forward)(jnp.asarray([prompt], jnp.int32))
   p0 = np.asarray(jax.nn.softmax(filtered_logits(out.logits[:, -1], sampling), axis=-1))[0]
   s = len(prompt)
+
+  @jax.jit  # one program per sequence length (s, s + 1), not each op compiled on its own (eager)
+  def mtp_last(ids, hidden):
+    m = model.mtp_forward(ids, hidden, positions=jnp.arange(ids.shape[1], dtype=jnp.int32)[None])
+    return jax.nn.softmax(filtered_logits(m.logits[:, -1], sampling), axis=-1)[0], m.hidden[:, -1:]
+
   joint = {}
   for x0 in np.flatnonzero(p0 > 1e-9):
     ids = jnp.asarray([prompt[1:] + [int(x0)]], jnp.int32)
-    pos = jnp.arange(s, dtype=jnp.int32)[None]
-    m1 = model.mtp_forward(ids, out.hidden, positions=pos)
-    q1 = np.asarray(jax.nn.softmax(filtered_logits(m1.logits[:, -1], sampling), axis=-1))[0]
+    q1, h1 = mtp_last(ids, out.hidden)
+    q1 = np.asarray(q1)
     for d1 in np.flatnonzero(q1 > 1e-9):
       ids2 = jnp.concatenate([ids, jnp.asarray([[int(d1)]], jnp.int32)], axis=1)
-      hid2 = jnp.concatenate([out.hidden, m1.hidden[:, -1:]], axis=1)
-      m2 = model.mtp_forward(ids2, hid2, positions=jnp.arange(s + 1, dtype=jnp.int32)[None])
-      q2 = np.asarray(jax.nn.softmax(filtered_logits(m2.logits[:, -1], sampling), axis=-1))[0]
+      hid2 = jnp.concatenate([out.hidden, h1], axis=1)
+      q2 = np.asarray(mtp_last(ids2, hid2)[0])
       for d2, pr in itertools.product(np.flatnonzero(q2 > 1e-9), [p0[x0] * q1[d1]]):
         joint[(int(x0), int(d1), int(d2))] = pr * float(q2[d2])
   return joint
@@ -274,10 +279,11 @@ def test_every_draft_equals_a_cache_free_mtp_chain(drafter):
   width = 80  # every chain is padded to one width (causal: the padding does not reach the read position)
   mtp_step = jax.jit(lambda ids, hid, at: model.mtp_forward(ids, hid, positions=jnp.arange(width)[None],
                                                             logits_at=at))
+  target_hidden = jax.jit(lambda ids: model.forward(ids).hidden)  # the target's sequences padded to width, too
   checked = 0
   for b, prompt in enumerate(PROMPTS):
     seq = prompt + out.tokens[b].tolist()
-    hidden = np.asarray(model.forward(jnp.asarray([seq], jnp.int32)).hidden)
+    hidden = np.asarray(target_hidden(jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)))[:, :len(seq)]
     p = len(prompt)
     for r in np.flatnonzero(out.accepted_drafts[b] >= 0)[:8]:
       ids, hid = np.zeros((1, width), np.int32), np.zeros((1, width, hidden.shape[-1]), np.float32)
@@ -341,13 +347,16 @@ def test_multimodal_speculative_decoding():
   # Every round's d_1 from a cache-free MTP pass over the final sequence up to that round's position.
   seq = np.concatenate([ids[0], ref.tokens[0]])
   seq_embeds = jnp.concatenate([embeds[0], model.embed_tokens(jnp.asarray(ref.tokens))[0]], axis=0)
-  hidden = model.forward(jnp.asarray(seq[None]), inputs_embeds=seq_embeds[None]).hidden[0]
+  # Compiled as programs (jit), not op by op (eager): fewer compiles.
+  hidden = jax.jit(lambda ids, embeds: model.forward(ids, inputs_embeds=embeds).hidden)(
+      jnp.asarray(seq[None]), seq_embeds[None])[0]
   # One causal pass over the whole sequence: its position p - 1 is the pass over the first p positions.
   n = len(seq) - 1
   pos = jnp.arange(n, dtype=jnp.int32)[None]
   args = (jnp.asarray(seq[None, 1:]), hidden[None, :n])
-  with_images = np.asarray(model.mtp_forward(*args, positions=pos, next_embeds=seq_embeds[None, 1:]).logits[0])
-  tokens_only = np.asarray(model.mtp_forward(*args, positions=pos).logits[0])
+  mtp_logits = jax.jit(lambda ids, hid, embeds: model.mtp_forward(ids, hid, positions=pos, next_embeds=embeds).logits)
+  with_images = np.asarray(mtp_logits(*args, seq_embeds[None, 1:])[0])
+  tokens_only = np.asarray(mtp_logits(*args, None)[0])
   p, mismatched_by_tokens = ids.shape[1], 0
   for r in range(out.drafts.shape[1]):
     assert out.drafts[0, r, 0] == with_images[p - 1].argmax(), r
