@@ -161,3 +161,25 @@ def test_bad_image_parts_are_400s_naming_the_part(served):
   assert error["param"] == "messages" and "2 image markers" in error["message"]
   with urllib.request.urlopen(served["url"] + "/health") as r:
     assert json.loads(r.read()) == {"status": "ok"}
+
+
+@pytest.mark.quick
+def test_image_urls_decode_data_and_refuse_what_the_server_does_not_fetch(tmp_path):
+  """m3jax.image_urls without a server: a data: URL decodes to the vision preprocessing's size (multiples of
+  28), a file: URL only where a base directory is given (batch), and every other scheme or bad payload is a
+  400 naming the part."""
+  from m3jax.image_urls import decode_image_url
+  from m3jax.request_validation import RequestError
+
+  image = decode_image_url(_data_url(_png(0)), "messages.[0].content.[1]")
+  assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+  assert image.shape[0] % 28 == 0 and image.shape[1] % 28 == 0
+  _png(0).save(tmp_path / "x.png")
+  assert (decode_image_url("file:x.png", "line 3", base_dir=tmp_path) == image).all()
+  for url, says in [("https://example.com/x.png", "not fetched"), ("file:x.png", "file"),
+                    ("data:image/png;base64,@@@", "base64"), ("data:text/plain;base64,aGk=", "not an image"),
+                    ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "")]:
+    with pytest.raises(RequestError, match="messages.\\[0\\].content.\\[1\\]: ") as e:
+      decode_image_url(url, "messages.[0].content.[1]")
+    assert e.value.status == 400 and e.value.param == "messages.[0].content.[1]", url
+    assert says.lower() in str(e.value).lower(), (url, str(e.value))
