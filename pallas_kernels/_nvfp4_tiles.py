@@ -122,6 +122,7 @@ def dequant_gpu(values_ref, scales_ref, gmul: jax.Array, half: int) -> jax.Array
   """values_ref: SMEM [64, 128] uint8 packed tile (fp8_tile_transforms); scales_ref: SMEM [64, 16] uint8 e4m3
   bits of the step (row-major, no transforms); gmul: fp32 scalar (the row part's global multiplier); half: 0 for
   the low nibbles (even inputs), 1 for the high ones -> bf16 [64, 128] in the WGMMA layout (a wgmma A operand)."""
+  from jax.experimental.mosaic import gpu as mgpu  # pylint: disable=g-import-not-at-top
   from jax.experimental.mosaic.gpu import utils as mgpu_utils  # pylint: disable=g-import-not-at-top
 
   @plgpu.inline_mgpu(
@@ -129,7 +130,7 @@ def dequant_gpu(values_ref, scales_ref, gmul: jax.Array, half: int) -> jax.Array
       return_type=plgpu.ShapeDtypeStruct((ROWS, BYTES_K), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )
   def body(_, values, scales, g):
-    tile = fp8_tiles._load_tile(values)  # pylint: disable=protected-access
+    tile = mgpu.FragmentedArray.load_tiled(values, swizzle=128, is_signed=False, layout=mgpu.WGMMA_LAYOUT)
     g_reg = g.registers.item()
     f32 = _F32()
     scale = {}
