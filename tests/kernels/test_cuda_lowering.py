@@ -276,7 +276,7 @@ def _nvfp4_spec(shape, parts: int = 1):
                          _spec((*shape[:-2], parts), jnp.float32))
 
 
-@pytest.mark.parametrize("tokens", [4, 64, 300], ids=["decode4", "decode64", "prefill300"])
+@pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
 def test_nvfp4_moe_block_lowers(tokens: int):
   """M3's MoE block with NVFP4 routed experts (the W4A16 kernel) and the bf16 shared expert, as m3jax.load(...,
   keep_quantized=True) keeps an NVFP4 checkpoint."""
