@@ -293,6 +293,15 @@ def test_malformed_quantized_tensors_are_named(tmp_path):
   (d / "config.json").write_text(json.dumps({"quantization_config": FORMATS["nvfp4"]}))
   with pytest.raises(CheckpointError, match=r"NVFP4 weight 'a\.weight_packed' has no 'a\.weight_scale'"):
     TensorSource.open(d)
+  packed, scale, g = q.quantize_nvfp4(np.ones((4, 16), np.float32))
+  nv = {"a.weight_packed": packed, "a.weight_scale": scale}
+  save_file(nv | {"a.weight_global_scale": g.astype(np.float16)}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"NVFP4 global scale 'a\.weight_global_scale' must be F32, got F16"):
+    TensorSource.open(d)
+  save_file(nv | {"a.weight_global_scale": np.zeros(1, np.float32)}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"'a\.weight_global_scale' must be one positive finite value to keep "
+                                            r"'a\.weight' packed, got shape \[1\] \[0\.0\]"):
+    TensorSource.open(d).get_global_scale("a.weight")
 
 
 W1 = "language_model.model.layers.0.block_sparse_moe.experts.0.w1"

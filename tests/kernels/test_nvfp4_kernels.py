@@ -96,3 +96,18 @@ def test_nvfp4_moe_block_matches_reference(mode, name, t, shared, tiles):
   assert out.shape == ref.shape and np.isfinite(out).all()
   np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_nvfp4_weights_are_checked_on_construction():
+  packed, scales, g = jnp.zeros((2, 64, 128), jnp.uint8), jnp.zeros((2, 64, 16), jnp.float8_e4m3fn), jnp.ones((2, 2))
+  assert QuantizedWeight(packed, scales, "nvfp4", (1, 16), g).shape == (2, 64, 256)
+  with pytest.raises(ValueError, match=r"nvfp4 scales for packed values \[2, 64, 128\] \(in = 256, one scale per 16\) "
+                                       r"must be \[2, 64, 16\], got \[2, 64, 8\]"):
+    QuantizedWeight(packed, scales[..., :8], "nvfp4", (1, 16), g)
+  with pytest.raises(ValueError, match="nvfp4 values must be uint8"):
+    QuantizedWeight(packed.astype(jnp.int8), scales, "nvfp4", (1, 16), g)
+  with pytest.raises(ValueError, match="needs its global_scale"):
+    QuantizedWeight(packed, scales, "nvfp4", (1, 16))
+  with pytest.raises(ValueError, match=r"global scale for values \[2, 64, 128\] must be \[2, P\] with P dividing 64, "
+                                       r"got \[2, 3\]"):
+    QuantizedWeight(packed, scales, "nvfp4", (1, 16), jnp.ones((2, 3)))
