@@ -189,8 +189,9 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
     keep_quantized: keep the linear weights a checkpoint stores in MXFP8 / FP8-block in that form (fp8 values +
       scales, ``m3jax.layers.quantized``; read as stored, never dequantized on the host) instead of dequantizing
       them to ``dtype``; NVFP4 (compressed-tensors) routed experts stay packed (uint8 values, e4m3 scales, fp32
-      global multipliers), other NVFP4 tensors are dequantized. Default: False for a safetensors checkpoint, and for an ``m3jax convert`` output the
-      form it was converted into (``--keep-quantized`` / ``--quantize``); False dequantizes those on restore.
+      global multipliers), other NVFP4 tensors are dequantized. Default: False for a safetensors checkpoint, and
+      for an ``m3jax convert`` output the form it was converted into (``--keep-quantized`` / ``--quantize``);
+      False dequantizes those on restore.
 
   Returns:
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).

@@ -42,8 +42,8 @@ def test_pair_ptx_bit_moves_and_tile_twin_are_exact():
     s = scales.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.float32(16384.0)
     got = ((f16[None, :] * s[:, None]) * gmul).astype(ml_dtypes.bfloat16)
     packed = np.tile(byte, (len(scales), 1))
-    w = QuantizedWeight(jnp.asarray(packed), jnp.asarray(np.repeat(scales[:, None], 32, 1).view(ml_dtypes.float8_e4m3fn)),
-                        "nvfp4", (1, 16), jnp.full((1,), gmul))
+    group_scales = np.repeat(scales[:, None], 32, 1).view(ml_dtypes.float8_e4m3fn)
+    w = QuantizedWeight(jnp.asarray(packed), jnp.asarray(group_scales), "nvfp4", (1, 16), jnp.full((1,), gmul))
     want = np.asarray(dequantize(w, jnp.bfloat16))[:, half::2]
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     twin = _nvfp4_tiles.dequant_jnp(jnp.asarray(packed[:, :128]), jnp.asarray(np.repeat(scales[:, None], 16, 1)),
