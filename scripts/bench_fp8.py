@@ -17,6 +17,13 @@ kernel time of one call (launch gaps excluded).
 
 Weights are random: e4m3 values of a normal(0, 64) draw and E8M0 codes in [112, 118] (weights ~1e-2), made on
 the device (no host quantization of 7 GB).
+
+``--weights nvfp4`` runs the MoE rows with NVFP4 experts instead (the W4A16 kernel: random packed bytes, e4m3
+group scales in [2, 6), a global multiplier of 2^-9 per part, weights ~1e-2; "fp8" in the row names then means
+the quantized weights), beside the bf16 block on the same dequantized weights; the dense rows are MXFP8 only
+(there is no NVFP4 dense kernel) and are skipped:
+
+  PYTHONPATH=$PWD python3 scripts/bench_fp8.py --weights nvfp4 --dense '' --out /tmp/nvfp4.json
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from pallas_kernels.quant import QuantizedWeight, dequantize  # noqa: E402
 
 H, I, E, IS, TOP_K = 6144, 3072, 128, 3072, 4
 KW = dict(top_k=TOP_K, routed_scaling_factor=2.0, swiglu_alpha=1.702, swiglu_limit=7.0)
+WEIGHTS = "mxfp8"  # --weights: the MoE rows' expert format
 DENSE = {"q": (8192, 6144), "k": (512, 6144), "v": (512, 6144), "o": (6144, 8192), "mlp_gate_up": (24576, 6144),
          "mlp_down": (6144, 12288)}
 
@@ -55,8 +63,24 @@ def random_mxfp8(key, shape) -> QuantizedWeight:
   return QuantizedWeight(values, codes, "mxfp8", (1, 32))
 
 
+def random_nvfp4(key, shape, parts: int = 1) -> QuantizedWeight:
+  """Random NVFP4 weight [..., out, in] made on the device: packed bytes [..., out, in/2], e4m3 scales in [2, 6)
+  [..., out, in/16], global multipliers 2^-9 [..., parts]."""
+  kv, ks = jax.random.split(key)
+  packed = jax.random.randint(kv, (*shape[:-1], shape[-1] // 2), 0, 256).astype(jnp.uint8)
+  scales = jax.random.uniform(ks, (*shape[:-1], shape[-1] // 16), jnp.float32, 2.0, 6.0).astype(jnp.float8_e4m3fn)
+  return QuantizedWeight(packed, scales, "nvfp4", (1, 16), jnp.full((*shape[:-2], parts), 2.0 ** -9, jnp.float32))
+
+
+def random_weight(key, shape, parts: int = 1) -> QuantizedWeight:
+  """A random weight in ``--weights``' format (mxfp8 or nvfp4; ``parts``: nvfp4 global scales per row part)."""
+  return random_nvfp4(key, shape, parts) if WEIGHTS == "nvfp4" else random_mxfp8(key, shape)
+
+
 def fp8_bytes(*ws: QuantizedWeight) -> int:
-  return sum(w.values.size + w.scales.size * w.scales.dtype.itemsize for w in ws)
+  """Bytes a quantized weight stores: values + scales (+ nvfp4 global scales)."""
+  return sum(w.values.size + w.scales.size * w.scales.dtype.itemsize
+             + (0 if w.global_scale is None else w.global_scale.size * 4) for w in ws)
 
 
 def copy_bandwidth() -> dict:
@@ -114,8 +138,8 @@ def make_moe_weights(key):
   ks = jax.random.split(key, 6)
   n = lambda k, shape, scale: jax.random.normal(k, shape, jnp.float32) * scale
   q = dict(router_w=n(ks[0], (H, E), H ** -0.5), correction_bias=n(ks[1], (E,), 0.01),
-           w_gate_up=random_mxfp8(ks[2], (E, 2 * I, H)), w_down=random_mxfp8(ks[3], (E, H, I)),
-           shared_gate_up=random_mxfp8(ks[4], (2 * IS, H)), shared_down=random_mxfp8(ks[5], (H, IS)))
+           w_gate_up=random_weight(ks[2], (E, 2 * I, H), 2), w_down=random_weight(ks[3], (E, H, I)),
+           shared_gate_up=random_weight(ks[4], (2 * IS, H), 2), shared_down=random_weight(ks[5], (H, IS)))
   to_bf16 = jax.jit(lambda w: jnp.swapaxes(dequantize(w, jnp.bfloat16), -1, -2))
   b = dict(q, **{k: to_bf16(q[k]) for k in ("w_gate_up", "w_down", "shared_gate_up", "shared_down")})
   return q, b
@@ -135,7 +159,7 @@ def bench_moe_decode(t, q, b, args) -> dict:
   fp8_total = touched * fp8_expert + fp8_bytes(q["shared_gate_up"], q["shared_down"])
   bf16_total = (touched + 1) * 3 * H * I * 2
   r = {"T": t, "touched": touched, "fp8_GB": fp8_total / 1e9, "bf16_GB": bf16_total / 1e9,
-       "tiles": str(heuristic_fp8_tiles(t, H, I, "mxfp8"))}
+       "tiles": str(heuristic_fp8_tiles(t, H, I, WEIGHTS))}
   f8 = jax.jit(functools.partial(moe_block, **KW))
   bf = jax.jit(functools.partial(moe_block, **KW))
   aq, ab = block_args(x, q), block_args(x, b)
@@ -155,7 +179,7 @@ def bench_moe_decode(t, q, b, args) -> dict:
 def variant_rows(r, aq, t, amount, args, *, reps, unit):
   """--variants: other (gate_up, down) tiles of the fp8 block, timed in the same process."""
   from pallas_kernels.moe.kernel_sm90_fp8 import Fp8Tiles  # pylint: disable=g-import-not-at-top
-  gu, dn = heuristic_fp8_tiles(t, H, I, "mxfp8")
+  gu, dn = heuristic_fp8_tiles(t, H, I, WEIGHTS)
   alts = {
       "stages-2": (dataclasses.replace(gu, max_concurrent_steps=max(2, gu.max_concurrent_steps - 2)),
                    dataclasses.replace(dn, max_concurrent_steps=max(2, dn.max_concurrent_steps - 2))),
@@ -182,7 +206,7 @@ def bench_moe_prefill(t, q, b, args) -> dict:
   f8 = jax.jit(functools.partial(moe_block, **KW))
   bf = jax.jit(functools.partial(moe_block, **KW))
   aq, ab = block_args(x, q), block_args(x, b)
-  r = {"T": t, "tiles": str(heuristic_fp8_tiles(t, H, I, "mxfp8"))}
+  r = {"T": t, "tiles": str(heuristic_fp8_tiles(t, H, I, WEIGHTS))}
   r["rel_err_fp8_vs_bf16"] = rel_err(f8(*aq), bf(*ab))[0]
   r["fp8_ms"], r["bf16_ms"] = alternating(f8, aq, bf, ab, reps=args.reps)
   r["fp8_TFLOPs"] = flops / (r["fp8_ms"] * 1e-3) / 1e12
@@ -255,10 +279,16 @@ def main():
   p.add_argument("--variants", action="store_true", help="MoE rows also time other fp8 tiles")
   p.add_argument("--out", default=None)
   p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny dims, the GPU interpreter")
+  p.add_argument("--weights", choices=("mxfp8", "nvfp4"), default="mxfp8",
+                 help="the MoE rows' expert format (nvfp4: the W4A16 kernel; dense rows stay mxfp8)")
   args = p.parse_args()
+  global WEIGHTS
+  WEIGHTS = args.weights
+  if WEIGHTS == "nvfp4" and args.dense:
+    p.error("--weights nvfp4 has no dense rows (no NVFP4 dense kernel): pass --dense ''")
   if args.tiny:
     global H, I, E, IS, DENSE
-    H, I, E, IS = 256, 128, 8, 128
+    H, I, E, IS = 256, (256 if WEIGHTS == "nvfp4" else 128), 8, (256 if WEIGHTS == "nvfp4" else 128)
     DENSE = {k: (256, 512) for k in DENSE}
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
     import bench_moe  # pylint: disable=g-import-not-at-top
@@ -269,7 +299,8 @@ def main():
 
 
 def run(args):
-  res = {"device": jax.devices()[0].device_kind, "copy": {}, "moe_decode": [], "moe_prefill": [], "dense": []}
+  res = {"device": jax.devices()[0].device_kind, "weights": WEIGHTS, "copy": {}, "moe_decode": [],
+         "moe_prefill": [], "dense": []}
 
   def dump():
     if args.out:

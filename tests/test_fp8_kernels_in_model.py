@@ -131,3 +131,26 @@ def test_mxfp8_model_steps_lower_to_fp8_kernels(monkeypatch):
       assert {int(bm) for _, bm, _ in fp8} == {8} and max(int(ks) for _, _, ks in fp8) > 1, fp8
     else:
       assert {int(bm) for _, bm, _ in fp8} == {128}, fp8
+
+
+def test_nvfp4_experts_lower_to_the_w4a16_kernel(monkeypatch):
+  """A model whose routed experts are kept as NVFP4 (``keep_quantized`` of an NVFP4 checkpoint: packed experts,
+  everything else bf16) at M3's expert dims (whole experts, I = 3072, as m3jax's meshes place them): a decode step
+  and a prefill lowered for CUDA read the packed experts with the W4A16 MoE kernel (M3JAX_KERNELS=pallas)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from m3jax.config import m3_full  # pylint: disable=g-import-not-at-top
+  from m3jax.layers.quantized import QuantSpec  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.setattr(dispatch, "_on_gpu", lambda: True)  # compiled kernels, as on a GPU backend
+  text = dataclasses.replace(
+      m3_full().text, num_layers=1, attention_types=("full",), mlp_types=("moe",), num_heads=8, num_kv_heads=1,
+      index_num_heads=1, vocab_size=25008)
+  cfg = M3Config(text=text)
+  nvfp4 = lambda parts: QuantSpec("nvfp4", (1, 16), "float8_e4m3fn", (1, 16), parts)
+  specs = {("layers", 0, "mlp", "w_gate_up"): nvfp4(2), ("layers", 0, "mlp", "w_down"): nvfp4(1)}
+  model = nnx.eval_shape(lambda: m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", quantized=specs))
+  texts = kernel_modes.lowered_step_texts(model, decode_batch=4, prefill_batch=1)
+  for name, text in texts.items():
+    w4 = set(re.findall(r"moe_grouped_w4a16_nvfp4_(swiglu|none)_bm(\d+)", text))
+    assert {e for e, _ in w4} == {"swiglu", "none"}, (name, w4)
+    assert {int(bm) for _, bm in w4} == ({8} if name == "decode" else {64}), (name, w4)

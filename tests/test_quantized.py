@@ -19,6 +19,7 @@ from m3jax.checkpoint.inspect import inspect_checkpoint
 from m3jax.checkpoint.safetensors_dir import CheckpointError, SafetensorsDir
 from m3jax.checkpoint.safetensors_stream import read_tensor
 from m3jax.checkpoint.source import TensorSource
+from m3jax.generate import generate
 from pallas_kernels import quant
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -208,15 +209,31 @@ def test_quantized_fixture_end_to_end(tmp_path, fmt):
   a, b = params(quant_model), params(plain_model)
   assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
   # keep_quantized: fp8 formats keep every quantized linear as stored, and each dequantizes exactly to the plain
-  # model's parameter (in m3jax's layout); NVFP4 is dequantized on load all the same.
-  kept = params(m3jax.load(tmp_path / "quant", kernels="reference", keep_quantized=True))
+  # model's parameter (in m3jax's layout); NVFP4 keeps the routed experts packed (the only NVFP4 tensors here).
+  kept_model = m3jax.load(tmp_path / "quant", kernels="reference", keep_quantized=True)
+  kept = params(kept_model)
   fp8 = {k[:-1] for k in kept if k[-1] == "values"}
-  assert len(fp8) == (0 if fmt == "nvfp4" else 20)  # 2 layers x (4 attention + 2 indexer + 4 MLP)
+  assert len(fp8) == (4 if fmt == "nvfp4" else 20)  # 2 layers x (4 attention + 2 indexer + 4 MLP), or 2 x 2 experts
   for path in fp8:
-    blocks = (1, 32) if fmt == "mxfp8" else (16, 16)
-    w = q.dequantize_blocked(kept[path + ("values",)], kept[path + ("scales",)], blocks)
+    if fmt == "nvfp4":
+      assert path[-1] in ("w_gate_up", "w_down")
+      packed, s, g = kept[path + ("values",)], kept[path + ("scales",)], kept[path + ("global_scale",)]
+      assert (packed.dtype, s.dtype, g.dtype) == (np.uint8, ml_dtypes.float8_e4m3fn, np.float32)
+      assert g.shape == (packed.shape[0], 2 if path[-1] == "w_gate_up" else 1)
+      rows = np.repeat(g, packed.shape[1] // g.shape[1], axis=1)  # the multipliers are the stored divisors inverted
+      w = q.unpack_e2m1(packed) * np.repeat(s.astype(np.float32), 16, axis=-1) * rows[..., None]
+    else:
+      blocks = (1, 32) if fmt == "mxfp8" else (16, 16)
+      w = q.dequantize_blocked(kept[path + ("values",)], kept[path + ("scales",)], blocks)
     np.testing.assert_array_equal(np.swapaxes(w, -1, -2).reshape(b[path].shape), b[path])
   assert all(np.array_equal(kept[k], b[k]) for k in b if k[:-1] not in fp8 and k in kept)
+  if fmt == "nvfp4":  # the packed experts' model: fp32 logits and greedy tokens of the dequantized model
+    ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"][:, :40]
+    want = np.asarray(plain_model(ids))
+    assert np.abs(np.asarray(kept_model(ids)) - want).max() <= 1e-5 * np.abs(want).max()
+    prompts = [ids[0, :12].tolist()]
+    np.testing.assert_array_equal(generate(kept_model, prompts, max_new_tokens=4, eos_token_ids=()).tokens,
+                                  generate(plain_model, prompts, max_new_tokens=4, eos_token_ids=()).tokens)
   if fmt == "mxfp8":  # identical parameters give identical logits; run the forward once to show it end to end
     ids = np.load(FIXTURES / "flat_b16" / "reference.npz")["input_ids"][:, :40]
     np.testing.assert_array_equal(np.asarray(quant_model(ids)), np.asarray(plain_model(ids)))
@@ -276,6 +293,15 @@ def test_malformed_quantized_tensors_are_named(tmp_path):
   (d / "config.json").write_text(json.dumps({"quantization_config": FORMATS["nvfp4"]}))
   with pytest.raises(CheckpointError, match=r"NVFP4 weight 'a\.weight_packed' has no 'a\.weight_scale'"):
     TensorSource.open(d)
+  packed, scale, g = q.quantize_nvfp4(np.ones((4, 16), np.float32))
+  nv = {"a.weight_packed": packed, "a.weight_scale": scale}
+  save_file(nv | {"a.weight_global_scale": g.astype(np.float16)}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"NVFP4 global scale 'a\.weight_global_scale' must be F32, got F16"):
+    TensorSource.open(d)
+  save_file(nv | {"a.weight_global_scale": np.zeros(1, np.float32)}, str(d / "model.safetensors"))
+  with pytest.raises(CheckpointError, match=r"'a\.weight_global_scale' must be one positive finite value to keep "
+                                            r"'a\.weight' packed, got shape \[1\] \[0\.0\]"):
+    TensorSource.open(d).get_global_scale("a.weight")
 
 
 W1 = "language_model.model.layers.0.block_sparse_moe.experts.0.w1"

@@ -8,6 +8,11 @@ checkpoint stores in fp8) or a ``QuantizingReader`` (float weights quantized on 
 
 Which parameters are kept: ``kept_specs`` (every linear weight whose sources are all fp8 of one format / block /
 scale dtype; others are dequantized as before) or ``quantize_specs`` (every quantizable linear weight).
+
+NVFP4 (``m3jax.load(..., keep_quantized=True)`` only; ``convert`` dequantizes it): the routed experts whose
+per-expert tensors are all NVFP4 with one global scale each are kept packed, with a third part, ``global_scale``
+(fp32 [E, P]: each source tensor's divisor inverted, the P = len(group) tensors of an expert in order; gate_up:
+gate then up).
 """
 
 from __future__ import annotations
@@ -24,6 +29,14 @@ from m3jax.layers.quantized import ParamPath, QuantSpec, is_quantizable
 from pallas_kernels.quant import concat_block, reblock_rows, unblock_rows
 
 PARTS = ("values", "scales")
+NVFP4_PARTS = ("values", "scales", "global_scale")
+FP8_FORMATS = ("mxfp8", "fp8_block")
+NVFP4_KEPT = ("w_gate_up", "w_down")  # nvfp4 stays packed for the routed experts only (the W4A16 MoE kernel)
+
+
+def parts_of(spec: QuantSpec) -> tuple[str, ...]:
+  """The parameters a kept weight has: values and scales (+ global_scale for nvfp4)."""
+  return NVFP4_PARTS if spec.fmt == "nvfp4" else PARTS
 
 
 class Fp8Reader(Protocol):
@@ -31,10 +44,14 @@ class Fp8Reader(Protocol):
 
   def get_scales(self, name: str, rows: slice | None = None) -> np.ndarray: ...
 
+  def get_global_scale(self, name: str, rows: slice | None = None) -> np.ndarray: ...  # nvfp4 only
+
 
 def rule_spec(rule: TensorRule, fmt: str, source_block: tuple[int, int], scale_dtype: str) -> QuantSpec:
   """The spec of ``rule``'s parameter kept in ``fmt`` when its sources have ``source_block`` scales."""
   out_sizes = [rule.source_shapes[i][-2] for i in rule.fp8_groups[0]]
+  if fmt == "nvfp4":
+    return QuantSpec(fmt, tuple(source_block), scale_dtype, tuple(source_block), parts=len(rule.fp8_groups[0]))
   return QuantSpec(fmt, concat_block(out_sizes, fmt, source_block), scale_dtype, tuple(source_block))
 
 
@@ -42,17 +59,22 @@ def _keepable(rule: TensorRule) -> bool:
   return rule.fp8_groups is not None and is_quantizable(rule.path)
 
 
-def kept_specs(rules: Iterable[TensorRule], source) -> dict[ParamPath, QuantSpec]:
-  """Specs of the parameters a quantized checkpoint (a TensorSource) can keep in fp8: linear weights whose
-  sources are all mxfp8 or all fp8_block with one scale dtype. (A parameter mixing fp8 and float sources, or
-  E8M0 and float32 scales, is dequantized on load instead.)"""
+def kept_specs(rules: Iterable[TensorRule], source, formats: Sequence[str] = FP8_FORMATS
+               ) -> dict[ParamPath, QuantSpec]:
+  """Specs of the parameters a quantized checkpoint (a TensorSource) can keep quantized: linear weights whose
+  sources are all mxfp8 or all fp8_block with one scale dtype, and (with "nvfp4" in ``formats``) routed experts
+  whose per-expert sources are all nvfp4 with one global scale each. (A parameter mixing quantized and float
+  sources, or E8M0 and float32 scales, is dequantized on load instead.)"""
   specs = {}
   for rule in rules:
     if not _keepable(rule):
       continue
     fmts = {source.quant_format(n) for n in rule.sources}
     fmt = fmts.pop() if len(fmts) == 1 else None
-    if fmt not in ("mxfp8", "fp8_block"):
+    if fmt not in formats:
+      continue
+    if fmt == "nvfp4" and not (str(rule.path[-1]) in NVFP4_KEPT and rule.fp8_stacked
+                               and all(source.global_scale_size(n) == 1 for n in rule.sources)):
       continue
     scale_dtypes = {source.scale_dtype(n).name for n in rule.sources}
     if len(scale_dtypes) == 1:
@@ -68,8 +90,12 @@ def quantize_specs(rules: Iterable[TensorRule], fmt: str = "mxfp8") -> dict[Para
 
 
 def build(rule: TensorRule, part: str, reader: Fp8Reader, spec: QuantSpec, rows: slice | None = None) -> np.ndarray:
-  """The ``part`` ('values' | 'scales') of ``rule``'s fp8 parameter from ``reader`` (``rows``: the leading-axis rows
-  of each source, for a group of experts of a stacked source)."""
+  """The ``part`` ('values' | 'scales' | nvfp4's 'global_scale') of ``rule``'s kept parameter from ``reader``
+  (``rows``: the leading-axis rows of each source, for a group of experts of a stacked source)."""
+  if part == "global_scale":  # one multiplier [1] per source: [P] per group, stacked [E, P]
+    scales = [reader.get_global_scale(name, rows) for name in rule.sources]
+    items = [np.concatenate([scales[i] for i in group]) for group in rule.fp8_groups]
+    return np.stack(items) if rule.fp8_stacked else items[0]
   read = reader.get_values if part == "values" else reader.get_scales
   arrays = [read(name, rows) for name in rule.sources]
 

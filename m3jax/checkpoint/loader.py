@@ -188,8 +188,10 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
       original-layout checkpoint or one converted from it (by default their tensors are skipped).
     keep_quantized: keep the linear weights a checkpoint stores in MXFP8 / FP8-block in that form (fp8 values +
       scales, ``m3jax.layers.quantized``; read as stored, never dequantized on the host) instead of dequantizing
-      them to ``dtype``. Default: False for a safetensors checkpoint, and for an ``m3jax convert`` output the
-      form it was converted into (``--keep-quantized`` / ``--quantize``); False dequantizes those on restore.
+      them to ``dtype``; NVFP4 (compressed-tensors) routed experts stay packed (uint8 values, e4m3 scales, fp32
+      global multipliers), other NVFP4 tensors are dequantized. Default: False for a safetensors checkpoint, and
+      for an ``m3jax convert`` output the form it was converted into (``--keep-quantized`` / ``--quantize``);
+      False dequantizes those on restore.
 
   Returns:
     M3ForCausalLM with every text-backbone parameter filled (laid out as requested).
@@ -210,7 +212,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   source = TensorSource.open(path)
   layout, rules = plan_text_load(cfg, source, with_mtp=with_mtp, skip_vision=skip_vision)
   dtype = default_run_dtype(source, layout) if dtype is None else dtype
-  specs = fp8_params.kept_specs(rules, source) if keep_quantized else {}
+  specs = fp8_params.kept_specs(rules, source, (*fp8_params.FP8_FORMATS, "nvfp4")) if keep_quantized else {}
   graphdef, flat = abstract_model(cfg, dtype, kernels, with_mtp, quantized=specs)
   placement = sharding_lib.placement_fn(sharding_lib.resolve(flat, shardings=shardings, mesh=mesh,
                                                              axis_rules=axis_rules))
@@ -219,7 +221,7 @@ def load(path: str | os.PathLike, *, dtype: jnp.dtype | str | None = None, kerne
   unused = set(by_path)
 
   def produce(param_path: ParamPath, var: Any) -> jax.Array:
-    if param_path[:-1] in specs and param_path[-1] in fp8_params.PARTS:  # kept in fp8: read as stored
+    if param_path[:-1] in specs and param_path[-1] in fp8_params.NVFP4_PARTS:  # kept quantized: read as stored
       rule = by_path[param_path[:-1]]
       unused.discard(rule.path)
       value = fp8_params.build(rule, param_path[-1], source, specs[rule.path])

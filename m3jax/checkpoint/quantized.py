@@ -186,15 +186,23 @@ def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
   return np.where(codes & 0x8, -mag, mag).astype(np.float32)
 
 
+def nvfp4_multiplier(global_scale: np.ndarray) -> np.ndarray:
+  """compressed-tensors' ``weight_global_scale`` (a divisor) -> the fp32 multiplier 1 / g (one fp32 rounding, as
+  vLLM inverts it on load)."""
+  return (np.float32(1.0) / np.asarray(global_scale, np.float32)).astype(np.float32)
+
+
 def dequantize_nvfp4(packed: np.ndarray, scale: np.ndarray, global_scale: np.ndarray) -> np.ndarray:
-  """NVFP4: packed [..., out, in/2] uint8, scale [..., out, in/16] e4m3, global_scale (divisor) -> fp32 [..., out, in]."""
+  """NVFP4: packed [..., out, in/2] uint8, scale [..., out, in/16] e4m3, global_scale (divisor) -> fp32 [..., out, in].
+
+  W = (e2m1 * scale) * fl32(1 / global_scale): the first product is exact, the second rounds once in fp32, which
+  is what ``pallas_kernels.quant.dequantize`` computes for the weight kept packed (bit for bit)."""
   values = unpack_e2m1(packed)
   inp = values.shape[-1]
   group = inp // scale.shape[-1]
-  g = np.asarray(global_scale, np.float32)
-  g = g.reshape(g.shape + (1,) * (values.ndim - g.ndim)) if g.ndim and g.size > 1 else g.reshape(())
-  eff = scale.astype(np.float32) / g
-  return values * np.repeat(eff, group, axis=-1)[..., :inp]
+  m = nvfp4_multiplier(global_scale)
+  m = m.reshape(m.shape + (1,) * (values.ndim - m.ndim)) if m.ndim and m.size > 1 else m.reshape(())
+  return (values * np.repeat(scale.astype(np.float32), group, axis=-1)[..., :inp]) * m
 
 
 # ----------------------------------------------------------------------------------------------------------

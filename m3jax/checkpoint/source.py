@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 from m3jax.checkpoint import quantized as q
@@ -124,10 +125,14 @@ class TensorSource:
     if len(p_shape) < 2 or s_shape[:-1] != p_shape[:-1] or s_shape[-1] * q.NVFP4_GROUP != cols:
       raise CheckpointError(f"{self._where(scale)}: NVFP4 scale {scale!r} shape {list(s_shape)} does not match "
                             f"packed weight shape {list(p_shape)} (one scale per {q.NVFP4_GROUP} elements)")
+    if self.ckpt.dtype(gscale) != "F32":
+      raise CheckpointError(f"{self._where(gscale)}: NVFP4 global scale {gscale!r} must be F32, got "
+                            f"{self.ckpt.dtype(gscale)}")
     weight = base + ".weight"
     if weight in names:
       raise CheckpointError(f"{self._where(weight)}: {weight!r} and {packed!r} both present")
     self._format[weight] = "nvfp4"
+    self._blocks[weight] = (1, q.NVFP4_GROUP)
     self._parts[weight] = (packed, scale, gscale)
     self._shape[weight] = tuple(p_shape[:-1]) + (cols,)
     self._dtype[weight] = "F32"
@@ -191,12 +196,32 @@ class TensorSource:
     return self._blocks[name]
 
   def scale_dtype(self, name: str) -> np.dtype:
-    """uint8 (E8M0) or float32: how the scales of the fp8 weight ``name`` are stored."""
-    return np.dtype(np.uint8) if self.ckpt.dtype(self._parts[name][1]) in q.E8M0_DTYPES else np.dtype(np.float32)
+    """uint8 (E8M0) or float32: how the scales of the fp8 weight ``name`` are stored (float8_e4m3fn: nvfp4's)."""
+    stored = self.ckpt.dtype(self._parts[name][1])
+    if stored == "F8_E4M3":
+      return np.dtype(ml_dtypes.float8_e4m3fn)
+    return np.dtype(np.uint8) if stored in q.E8M0_DTYPES else np.dtype(np.float32)
 
   def get_values(self, name: str, rows: slice | None = None) -> np.ndarray:
-    """The float8_e4m3fn values [..., out, in] of fp8 weight ``name`` as stored; ``rows`` slices the leading axis."""
+    """The values of quantized weight ``name`` as stored: float8_e4m3fn [..., out, in] (fp8) or uint8
+    [..., out, in / 2] (nvfp4, packed); ``rows`` slices the leading axis."""
     return self._read(self._parts[name][0], rows)
+
+  def global_scale_size(self, name: str) -> int:
+    """Elements of the nvfp4 weight ``name``'s stored global scale (1: one per tensor)."""
+    return int(np.prod(self.ckpt.shape(self._parts[name][2]), dtype=np.int64))
+
+  def get_global_scale(self, name: str, rows: slice | None = None) -> np.ndarray:
+    """The nvfp4 weight ``name``'s global scale as an fp32 multiplier [1] (the stored divisor inverted in fp32,
+    ``quantized.nvfp4_multiplier``); ``rows`` is accepted for the reader interface and must leave one value
+    (a per-tensor scale). CheckpointError for a scale that is not one positive finite value."""
+    part = self._parts[name][2]
+    g = self._read(part, None).astype(np.float32).reshape(-1)
+    if g.size != 1 or not (np.isfinite(g[0]) and g[0] > 0):
+      raise CheckpointError(f"{self._where(part)}: NVFP4 global scale {part!r} must be one positive finite value "
+                            f"to keep {name!r} packed, got shape {list(self.ckpt.shape(part))} "
+                            f"{g[:4].tolist()}")
+    return q.nvfp4_multiplier(g)
 
   def get_scales(self, name: str, rows: slice | None = None) -> np.ndarray:
     """The scales of fp8 weight ``name`` as stored (uint8 E8M0 or float32); ``rows`` slices the leading axis of

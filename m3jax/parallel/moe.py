@@ -89,11 +89,14 @@ def moe_block(plan: ShardingPlan, x: jax.Array, router_w: jax.Array, correction_
 
   tok_spec = P(token_axes or None, None)
   w_spec = _expert_spec(plan)
+  # Per leaf: a quantized weight's values / scales [E, out, in'] and an nvfp4 global scale [E, P] split alike.
+  leaf_specs = lambda w: jax.tree.map(lambda a: P(w_spec[0], *(None,) * (a.ndim - 1)), w)
   if prepared is not None and (prepared.shared_gate_up is not None or prepared.shared_down is not None):
     raise ValueError("expert-parallel moe_block takes routed operands only (prepare_routed), got shared ones too")
   operands = None if prepared is None else (prepared.gate_up, prepared.down)
   operand_specs = None if prepared is None else (w_spec, w_spec)
-  routed = jax.shard_map(per_device, mesh=plan.mesh, in_specs=(tok_spec, P(), P(), w_spec, w_spec, operand_specs),
+  routed = jax.shard_map(per_device, mesh=plan.mesh,
+                         in_specs=(tok_spec, P(), P(), leaf_specs(w_gate_up), leaf_specs(w_down), operand_specs),
                          out_specs=tok_spec, check_vma=False)(flat, router_w, correction_bias, w_gate_up, w_down,
                                                               operands)
   shared = gated_mlp(flat, shared_gate_up, shared_down, alpha=swiglu_alpha, limit=swiglu_limit)

@@ -1,4 +1,5 @@
-"""The MoE block and routed experts with fp8 (``QuantizedWeight``) expert weights: W8A16 grouped GEMMs.
+"""The MoE block and routed experts with fp8 (``QuantizedWeight``) expert weights: W8A16 grouped GEMMs (and
+W4A16 for NVFP4 weights: the same kernel reading packed nibbles, ``kernel_sm90_fp8``).
 
 Weights keep the checkpoint orientation: w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I],
 shared_gate_up [2Is, H], shared_down [H, Is], each a ``QuantizedWeight`` (mxfp8 or fp8_block). Routing, dispatch
@@ -88,11 +89,12 @@ def _fit_stages(cfg: Fp8Tiles, n_parts: int, k: int, fmt: str, out_itemsize: int
 
 def heuristic_fp8_tiles(num_tokens: int, hidden: int, inter: int, fmt: str) -> tuple[Fp8Tiles, Fp8Tiles]:
   """(gate_up, down) tiles: decode token tiles of T rounded up to 8 with a deep pipeline; prefill 128-token
-  tiles, the pipeline as deep as SMEM allows (gate_up K = H, down K = I)."""
+  tiles (nvfp4: 64, its 256-input activation stages of 128 tokens leave no room for two stages of gate_up),
+  the pipeline as deep as SMEM allows (gate_up K = H, down K = I)."""
   if num_tokens <= DECODE_MAX_TOKENS:
     bm, stages = max(8, -(-num_tokens // 8) * 8), 6
   else:
-    bm, stages = PREFILL_BLOCK_M, 4
+    bm, stages = (64 if fmt == "nvfp4" else PREFILL_BLOCK_M), 4
   gate_up = _fit_stages(Fp8Tiles(block_m=bm, max_concurrent_steps=stages), 2, hidden, fmt, 2)
   # The down items: 256 output features where they tile (its K, I, is short for experts); 128 where the item's
   # whole-K scales would not fit beside the pipeline (a dense MLP's long K, e.g. M3's 12288).
@@ -195,7 +197,8 @@ def dense_mlp_fp8(x, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, gemms:
   pair (gate_up with the SwiGLU epilogue in fp32 on its accumulators, one bf16 rounding, then down):
   x bf16 [T, H] -> bf16 [T, H]."""
   t = x.shape[0]
-  one = lambda w: QuantizedWeight(w.values[None], w.scales[None], w.fmt, w.block)
+  one = lambda w: QuantizedWeight(w.values[None], w.scales[None], w.fmt, w.block,
+                                  None if w.global_scale is None else w.global_scale[None])
   bm = gemms.block_m
   s_tiles = -(-t // bm)
   meta = jnp.concatenate([jnp.array([s_tiles], jnp.int32), jnp.zeros((s_tiles,), jnp.int32)])

@@ -21,6 +21,13 @@ without a split is stored the same way, ``[1, N, M_pad]``.
 
 gate_up: ``n_parts=2`` (gate rows ``[0, N)``, up rows ``[N, 2N)`` of each expert, as the checkpoint stores
 ``gate_up_proj``), ``epilogue="swiglu"``; down: ``n_parts=1``, ``epilogue="none"``.
+
+NVFP4 (W4A16): the values are packed uint8 ``[E, n_parts * N, K / 2]`` (``pallas_kernels._nvfp4_tiles``). A step
+covers 256 inputs: a ``[bn, 128]``-byte tile per part (the fp8 tiles' SMEM layout) and its ``[bn, 16]`` e4m3 group
+scales travel through the same TMA pipeline (no per-item scale copy), and each 64-row group runs two wgmmas, the
+low nibbles against the step's even inputs and the high nibbles against its odd inputs (the activations are
+permuted once per call, ``_nvfp4_tiles.deinterleave_k``). The per (expert, part) fp32 global multiplier is read
+once per item. No K split (the MoE GEMMs do not use one).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _fp8_tiles as tiles
+from pallas_kernels import _nvfp4_tiles as nv_tiles
 from pallas_kernels.quant import QuantizedWeight
 
 _NUM_COMPUTE_WGS = 2
@@ -80,6 +88,11 @@ class Fp8Tiles:
     """Shared memory of one CTA (allocations rounded up to 1 KiB, as Mosaic aligns them, plus barriers):
     pipeline stages, the item's scales, the epilogue staging tiles."""
     up = lambda b: -(-b // 1024) * 1024
+    if fmt == "nvfp4":  # 256 inputs a step: bf16 activations, packed bytes and the e4m3 scales per part
+      stage = (up(self.block_m * nv_tiles.BLOCK_K * 2) + n_parts * up(self.block_n * nv_tiles.BYTES_K)
+               + n_parts * up(self.block_n * nv_tiles.SCALES_PER_STEP))
+      epilogue = up(_NUM_COMPUTE_WGS * self.block_m * _EPI_COLS * out_itemsize)
+      return stage * self.max_concurrent_steps + epilogue + 2048
     stage = up(self.block_m * BLOCK_K * 2) + n_parts * up(self.block_n * BLOCK_K)
     kc = k // self.k_splits
     per_group = tiles.ROWS * kc // 32 if fmt == "mxfp8" else 4 * kc // 128
@@ -97,11 +110,17 @@ def _swiglu(gate, up, *, alpha: float, limit: float):
 def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha, limit, cfg: Fp8Tiles,
             broadcast_lhs, fmt, has_shared, interpret):
   """Kernel body (module docstring); an ("sm",) grid of CTAs with a "wg" thread axis (2 consumers + 1 TMA)."""
+  nvfp4 = fmt == "nvfp4"
+  gm_gmem = None
+  if nvfp4:  # the global multipliers [E (+1: the shared expert), n_parts] come last before the output
+    *rest, gm_gmem, out_gmem = rest
+    rest = (*rest, out_gmem)
   if has_shared:
     ws_gmem, ss_gmem, out_gmem = rest
   else:
     (out_gmem,), ws_gmem, ss_gmem = rest, None, None
-  bm, bn, bk, rows = cfg.block_m, cfg.block_n, BLOCK_K, tiles.ROWS
+  bm, bn, rows = cfg.block_m, cfg.block_n, tiles.ROWS
+  bk = nv_tiles.BLOCK_K if nvfp4 else BLOCK_K  # inputs per step
   subs = cfg.row_tiles
   wg_rows = rows * subs
   groups = [(p, sub) for p in range(n_parts) for sub in range(subs)]  # accumulator g = p * subs + sub
@@ -115,8 +134,10 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
   lhs_transforms = tiles.bf16_tile_transforms(bk)
 
   in_specs = [plgpu.BlockSpec((bm, bk), lambda ki: (0, ki), transforms=lhs_transforms)]
-  in_specs += [plgpu.BlockSpec((bn, bk), lambda ki: (0, ki), transforms=tiles.fp8_tile_transforms())
+  in_specs += [plgpu.BlockSpec((bn, tiles.BLOCK_K), lambda ki: (0, ki), transforms=tiles.fp8_tile_transforms())
                for _ in range(n_parts)]
+  if nvfp4:  # the step's e4m3 group scales (as uint8) per part, row-major
+    in_specs += [plgpu.BlockSpec((bn, nv_tiles.SCALES_PER_STEP), lambda ki: (0, ki)) for _ in range(n_parts)]
 
   def make_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -124,7 +145,13 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         num_compute_wgs=_NUM_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
         compute_context=compute_context)
 
-  def views(w2d, ni, ks):  # n_parts [bn, kc] row tiles of a [n_parts * N, K] weight for n-tile ni, split ks
+  def views(w2d, ni, ks, s2d=None):  # n_parts [bn, kc] row tiles of a [n_parts * N, K] weight for n-tile ni, split ks
+    if nvfp4:  # packed bytes [bn, kc / 2] and scales [bn, kc / 16] of each part
+      per_byte, per_scale = 2, 16
+      return ([w2d.at[pl.ds(p * n_out + ni * bn, bn), pl.ds(ks * kc // per_byte, kc // per_byte)]
+               for p in range(n_parts)]
+              + [s2d.at[pl.ds(p * n_out + ni * bn, bn), pl.ds(ks * kc // per_scale, kc // per_scale)]
+                 for p in range(n_parts)])
     return [w2d.at[pl.ds(p * n_out + ni * bn, bn), pl.ds(ks * kc, kc)] for p in range(n_parts)]
 
   row_bytes = kc // tiles.MX_BLOCK  # mxfp8 codes per row and item
@@ -132,6 +159,8 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
   if fmt == "mxfp8":
     group_shape = (rows * row_bytes // 16, 16) if flat_codes else (rows, row_bytes)
     scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), *group_shape), jnp.uint8)
+  elif nvfp4:  # scales come through the pipeline; a placeholder keeps the scope's signature
+    scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, 1, 4), jnp.float32)
   else:
     scale_alloc = plgpu.SMEM((_NUM_COMPUTE_WGS, len(groups), kc // 128), jnp.float32)
   if split_out:  # fp32 partial sums stored as they sit in the accumulators: [64 features, bm tokens]
@@ -147,10 +176,10 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
       scale_barrier=plgpu.Barrier(num_arrivals=len(groups), num_barriers=_NUM_COMPUTE_WGS),
   )
   if interpret:  # the interpreter's wgmma reads A from SMEM only
-    scoped["a_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, rows, bk), jnp.bfloat16,
-                                  transforms=tiles.bf16_tile_transforms(bk))
+    scoped["a_smem"] = plgpu.SMEM((_NUM_COMPUTE_WGS, rows, tiles.BLOCK_K), jnp.bfloat16,
+                                  transforms=tiles.bf16_tile_transforms(tiles.BLOCK_K))
   ignore = lambda *_, **__: None
-  alloc_refs = [lhs_gmem.at[pl.ds(0, bm), pl.ds(0, kc)], *views(w_gmem.at[0], 0, 0)]
+  alloc_refs = [lhs_gmem.at[pl.ds(0, bm), pl.ds(0, kc)], *views(w_gmem.at[0], 0, 0, s_gmem.at[0])]
 
   @functools.partial(pl.run_scoped, allocs=make_pipeline(ignore, ignore).get_allocations(*alloc_refs),
                      collective_axes="wg", **scoped)
@@ -167,6 +196,7 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
       ni = lax.rem(mn, jnp.int32(n_tiles))
       expert = meta_gmem[1 + mi]
       lhs_rows = pl.ds(0, bm) if broadcast_lhs else pl.ds(mi * bm, bm)
+      gmuls = [gm_gmem[expert, p] for p in range(n_parts)] if nvfp4 else None
 
       def load_scales(s_ref):
         """This warpgroup's block scales for the item (all its 64-row groups, the split's K range) into SMEM."""
@@ -184,7 +214,9 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         plgpu.barrier_wait(scale_barrier.at[wg])
 
       def compute_context(run_pipeline):
-        if ws_gmem is None:
+        if nvfp4:  # the scales come through the pipeline
+          pass
+        elif ws_gmem is None:
           load_scales(s_gmem.at[expert])
         else:
           pl.when(expert < num_experts)(lambda: load_scales(s_gmem.at[expert]))
@@ -216,9 +248,28 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
 
         pl.run_scoped(_acc_scope, *accs)
 
+      def mma_body_nvfp4(lhs_smem, w_smems, s_smems, acc_refs):
+        halves = [lhs_smem.at[:, pl.ds(h * tiles.BLOCK_K, tiles.BLOCK_K)].transpose((1, 0)) for h in range(2)]
+        for g, (p, sub) in enumerate(groups):
+          acc = acc_refs[g]
+          wg_rows_ds = pl.ds(wg * wg_rows + sub * rows, rows)
+          w_tile, s_tile = w_smems[p].at[wg_rows_ds], s_smems[p].at[wg_rows_ds]
+          for half in range(2):  # low nibbles x even inputs, high nibbles x odd inputs
+            if interpret:
+              a_smem[wg] = nv_tiles.dequant_jnp(w_tile[...], s_tile[...], gmuls[p], half)
+              plgpu.commit_smem()
+              plgpu.wgmma(acc, a_smem.at[wg], halves[half])
+              plgpu.wgmma_wait(0)  # a_smem is rewritten for the next half
+            else:
+              plgpu.wgmma(acc, nv_tiles.dequant_gpu(w_tile, s_tile, gmuls[p], half), halves[half])
+        plgpu.wgmma_wait(0)
+        return acc_refs
+
       def mma_body(idx, lhs_smem, *rest_refs):
         (ki,) = idx
         *w_smems, acc_refs = rest_refs
+        if nvfp4:
+          return mma_body_nvfp4(lhs_smem, w_smems[:n_parts], w_smems[n_parts:], acc_refs)
         b = lhs_smem.transpose((1, 0))  # [bk, bm]: the tokens as wgmma's N
         for g, (p, sub) in enumerate(groups):
           acc = acc_refs[g]
@@ -242,15 +293,15 @@ def _kernel(meta_gmem, lhs_gmem, w_gmem, s_gmem, *rest, n_parts, epilogue, alpha
         plgpu.wgmma_wait(0)
         return acc_refs
 
-      def run_for(w2d):
+      def run_for(w2d, s2d):
         make_pipeline(mma_body, compute_context)(
-            lhs_gmem.at[lhs_rows, pl.ds(ks * kc, kc)], *views(w2d, ni, ks), allocations=allocs)
+            lhs_gmem.at[lhs_rows, pl.ds(ks * kc, kc)], *views(w2d, ni, ks, s2d), allocations=allocs)
 
       if ws_gmem is None:
-        run_for(w_gmem.at[expert])
+        run_for(w_gmem.at[expert], s_gmem.at[expert])
       else:
-        pl.when(expert < num_experts)(lambda: run_for(w_gmem.at[expert]))
-        pl.when(expert >= num_experts)(lambda: run_for(ws_gmem))
+        pl.when(expert < num_experts)(lambda: run_for(w_gmem.at[expert], s_gmem.at[expert]))
+        pl.when(expert >= num_experts)(lambda: run_for(ws_gmem, ss_gmem))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -265,7 +316,9 @@ def kernel_scales(w: QuantizedWeight, k_splits: int = 1) -> jax.Array:
   """The scales as the kernel reads them. mxfp8: the codes' bytes unchanged, viewed as [..., R * K/32 / 16, 16]
   when K is not split (a free reshape: every 16-byte row stride lets one copy take a 64-row group, whatever K/32
   is), else [..., R, K/32]. fp8_block: fp32 [..., R/128, K/128] (an E8M0 block grid converted: 1/16384 of the
-  values' size)."""
+  values' size). nvfp4: the e4m3 scales' bytes as uint8 [..., R, K/16]."""
+  if w.fmt == "nvfp4":
+    return lax.bitcast_convert_type(w.scales, jnp.uint8)
   if w.fmt == "mxfp8":
     if k_splits == 1:
       return w.scales.reshape(*w.scales.shape[:-2], w.scales.shape[-2] * w.scales.shape[-1] // 16, 16)
@@ -276,11 +329,25 @@ def kernel_scales(w: QuantizedWeight, k_splits: int = 1) -> jax.Array:
   return w.scales.astype(jnp.float32)
 
 
+def part_multipliers(global_scale: jax.Array, n_parts: int) -> jax.Array:
+  """nvfp4 global multipliers [E, P] -> fp32 [E, n_parts], one per kernel part (P must divide n_parts: each
+  kernel part's rows then share one multiplier)."""
+  p = global_scale.shape[-1]
+  if n_parts % p:
+    raise NotImplementedError(f"nvfp4 global scale of {p} row parts does not fit a GEMM of {n_parts} parts")
+  return jnp.repeat(global_scale.astype(jnp.float32), n_parts // p, axis=-1)
+
+
 def check_fp8_shapes(w: QuantizedWeight, n_parts: int, k: int, cfg: Fp8Tiles) -> None:
   """NotImplementedError unless ``w`` ([E, n_parts * N, K] or [n_parts * N, K]) tiles with the kernel."""
   rows, kk = w.shape[-2:]
   if kk != k:
     raise ValueError(f"weight reduction dim {kk} != activations' {k}")
+  if w.fmt == "nvfp4":
+    if cfg.k_splits != 1:
+      raise NotImplementedError(f"nvfp4 kernels do not split K, got k_splits={cfg.k_splits}")
+    if k % nv_tiles.BLOCK_K:
+      raise NotImplementedError(f"nvfp4 kernels need the reduction dim {k} to be a multiple of {nv_tiles.BLOCK_K}")
   if w.fmt == "fp8_block" and tuple(w.block) != (128, 128):
     raise NotImplementedError(f"fp8_block kernels need 128 x 128 blocks, got {w.block}")
   n = rows // n_parts
@@ -356,9 +423,16 @@ def grouped_matmul_fp8(
   n = w.shape[1] // n_parts
   transposed = cfg.k_splits > 1 or jnp.dtype(out_dtype) == jnp.float32
   out_shape = (cfg.k_splits, n, m_pad) if transposed else (m_pad, n)
+  if w.fmt == "nvfp4":
+    lhs = nv_tiles.deinterleave_k(lhs)
   operands = [meta, lhs, w.values, kernel_scales(w, cfg.k_splits)]
   if w_shared is not None:
     operands += [w_shared.values, kernel_scales(w_shared, cfg.k_splits)]
+  if w.fmt == "nvfp4":  # [E (+1), n_parts]: part p of expert e (row E: the shared expert's)
+    gms = [part_multipliers(w.global_scale, n_parts)]
+    if w_shared is not None:
+      gms.append(part_multipliers(w_shared.global_scale[None], n_parts))
+    operands.append(jnp.concatenate(gms) if len(gms) > 1 else gms[0])
   # The kernel body differs in the interpreter (no inline_mgpu); also when forced by force_gpu_interpret_mode.
   interp = bool(interpret) or _interpret_mode_forced()
   kernel = plgpu.kernel(
@@ -371,6 +445,7 @@ def grouped_matmul_fp8(
       num_threads=_NUM_COMPUTE_WGS + 1,
       thread_name="wg",
       interpret=interpret or None,
-      kernel_name=f"moe_grouped_fp8_{w.fmt}_{epilogue}_bm{cfg.block_m}_bn{cfg.block_n}_ks{cfg.k_splits}",
+      kernel_name=(f"moe_grouped_{'w4a16' if w.fmt == 'nvfp4' else 'fp8'}_{w.fmt}_{epilogue}_bm{cfg.block_m}"
+                   f"_bn{cfg.block_n}_ks{cfg.k_splits}"),
   )
   return kernel(*operands)

@@ -267,6 +267,28 @@ def test_fp8_moe_block_lowers(dims: Dims, fmt: str, tokens: int):
   assert f"moe_grouped_fp8_{fmt}_swiglu" in text and f"moe_grouped_fp8_{fmt}_none" in text
 
 
+def _nvfp4_spec(shape, parts: int = 1):
+  """An NVFP4 QuantizedWeight [..., out, in] of shapes only: packed uint8 values, e4m3 group scales, fp32 global
+  multipliers per row part."""
+  from pallas_kernels.quant import QuantizedWeight  # pylint: disable=g-import-not-at-top
+  return QuantizedWeight(_spec((*shape[:-1], shape[-1] // 2), jnp.uint8),
+                         _spec((*shape[:-1], shape[-1] // 16), jnp.float8_e4m3fn), "nvfp4", (1, 16),
+                         _spec((*shape[:-2], parts), jnp.float32))
+
+
+@pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
+def test_nvfp4_moe_block_lowers(tokens: int):
+  """M3's MoE block with NVFP4 routed experts (the W4A16 kernel) and the bf16 shared expert, as m3jax.load(...,
+  keep_quantized=True) keeps an NVFP4 checkpoint."""
+  i = FULL.expert_width
+  args = (_spec((tokens, HIDDEN)), _spec((HIDDEN, EXPERTS), jnp.float32), _spec((EXPERTS,), jnp.float32),
+          _nvfp4_spec((EXPERTS, 2 * i, HIDDEN), parts=2), _nvfp4_spec((EXPERTS, HIDDEN, i)),
+          _spec((HIDDEN, 2 * i)), _spec((i, HIDDEN)))
+  text = _lower_for_cuda(lambda *a: moe_block(*a, top_k=TOP_K, routed_scaling_factor=2.5, swiglu_alpha=1.702,
+                                              swiglu_limit=7.0, num_sms=132), *args)
+  assert "moe_grouped_w4a16_nvfp4_swiglu" in text and "moe_grouped_w4a16_nvfp4_none" in text
+
+
 @pytest.mark.parametrize("tokens", [4, 300], ids=["decode4", "prefill300"])
 def test_fp8_expert_parallel_routed_experts_lower(tokens: int):
   """One device of an 8-way expert-parallel mesh with MXFP8 experts: 16 whole experts."""
