@@ -31,6 +31,7 @@ def _bf16(w: QuantizedWeight) -> jax.Array:
   return jnp.swapaxes(dequantize(w, jnp.bfloat16), -1, -2)
 
 
+@pytest.mark.quick
 def test_pair_ptx_bit_moves_and_tile_twin_are_exact():
   # Every byte, both nibbles: the PTX's f16 bits are e2m1 * 2^-14 (code 1 an f16 subnormal), so with the
   # scale times 2^14 and the global multiplier (fp32 products, one bf16 rounding) the weight is dequantize's.
@@ -98,6 +99,7 @@ def test_nvfp4_moe_block_matches_reference(mode, name, t, shared, tiles):
   assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
+@pytest.mark.quick
 def test_nvfp4_weights_are_checked_on_construction():
   packed, scales, g = jnp.zeros((2, 64, 128), jnp.uint8), jnp.zeros((2, 64, 16), jnp.float8_e4m3fn), jnp.ones((2, 2))
   assert QuantizedWeight(packed, scales, "nvfp4", (1, 16), g).shape == (2, 64, 256)
