@@ -24,7 +24,7 @@ from m3jax.config import M3Config
 from m3jax import sharding
 from m3jax.logical_axes import ACT_BATCH, ACT_SEQ
 from m3jax.training.flops import train_flops_per_token
-from m3jax.training.optimizer import OptimizerConfig, make_optimizer, schedule
+from m3jax.training.optimizer import OptimizerConfig, make_optimizer
 from m3jax.training.params import count_params, init_master, make_layout
 from m3jax.training.step import ObjectiveConfig, init_state, make_train_step
 
@@ -61,7 +61,7 @@ def main() -> None:
   tx = make_optimizer(opt)
   master = init_master(layout, 0)
   state = init_state(layout, tx, master)
-  step = make_train_step(layout, tx, ObjectiveConfig(), schedule(opt), sparse=not args.dense,
+  step = make_train_step(layout, opt, ObjectiveConfig(), sparse=not args.dense,
                          state_shardings=jax.tree.map(lambda x: x.sharding, state))
   rng = np.random.default_rng(0)
 

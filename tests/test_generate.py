@@ -50,11 +50,11 @@ def test_cached_decode_reproduces_full_forward_logits(models, name, prompt_len):
   caches = model.init_caches(1, 512)
   pos = jnp.arange(total, dtype=jnp.int32)[None]
   ids = jnp.asarray([prompt + new], jnp.int32)
-  out = model.forward(ids[:, : len(prompt)], positions=pos[:, : len(prompt)], caches=caches)
+  forward = jax.jit(lambda t, p, c: model.forward(t, positions=p, caches=c))  # programs, not op by op (eager)
+  out = forward(ids[:, : len(prompt)], pos[:, : len(prompt)], caches)
   step_logits, caches = [out.logits[:, -1]], out.caches
-  decode = jax.jit(lambda t, p, c: model.forward(t, positions=p, caches=c))
   for i in range(len(prompt), total - 1):
-    out = decode(ids[:, i:i + 1], pos[:, i:i + 1], caches)
+    out = forward(ids[:, i:i + 1], pos[:, i:i + 1], caches)
     step_logits.append(out.logits[:, 0])
     caches = out.caches
   full = model(ids)[0, len(prompt) - 1: total - 1]

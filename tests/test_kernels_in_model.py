@@ -129,13 +129,17 @@ def test_speculative_decoding_on_kernels():
   model = m3jax.M3ForCausalLM(cfg, dtype=jnp.bfloat16, kernels="pallas", rngs=nnx.Rngs(0), with_mtp=True)
   rng = np.random.default_rng(0)
 
-  # Few-token decode against one-token steps, from the same prefilled cache (300 > top-k x 128: pruned).
+  # Few-token decode against one-token steps, from the same prefilled cache (300 > top-k x 128: pruned). The
+  # cache is prefilled on the references (same weights, same cache layout): both sides start from it, and the
+  # kernels' prefill into a cache runs in generate_speculative below and in the chunked-prefill test.
   n = 300
   prompt = rng.integers(0, 256, n + 4).tolist()
   ids = jnp.asarray([prompt], jnp.int32)
   pos = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+  reference = _on_references(model)
+  prefilled = jax.jit(lambda i, p: reference.forward(i, positions=p, caches=reference.init_caches(1, 512)).caches)(
+      ids[:, :n], pos[:, :n])
   forward = jax.jit(lambda i, p, c: model.forward(i, positions=p, caches=c))
-  prefilled = forward(ids[:, :n], pos[:, :n], model.init_caches(1, 512)).caches
   steps, caches = [], prefilled
   for i in range(n, n + 4):
     out = forward(ids[:, i:i + 1], pos[:, i:i + 1], caches)
@@ -150,7 +154,6 @@ def test_speculative_decoding_on_kernels():
   prompts = [rng.integers(0, 256, 256).tolist(), rng.integers(0, 256, 130).tolist()]
   out = generate_speculative(model, prompts, max_new_tokens=6, num_draft_tokens=2, eos_token_ids=())
   assert out.drafts.shape[2] == 2 and out.rounds.min() >= 2
-  reference = _on_references(model)
   full_forward = _padded_full_forward(reference)
   for row, p in enumerate(prompts):
     seq = p + out.tokens[row].tolist()

@@ -18,7 +18,7 @@ def model():
 
 def test_nothing_is_recorded_by_default(model):
   ids = jnp.zeros((1, 8), jnp.int32)
-  assert model.forward(ids).intermediates is None
+  assert nnx.jit(lambda m, x: m.forward(x))(model, ids).intermediates is None  # a program, not op by op (eager)
 
 
 @pytest.mark.quick
@@ -65,7 +65,7 @@ def test_intermediates_shapes_and_consistency(model):
 
 def test_mass_outside_selection_is_zero_where_everything_is_selected(model):
   ids = jax.random.randint(jax.random.key(1), (1, 32), 0, 512)
-  out = model.forward(ids, collect=Collect(attention_queries=(0, 32)))
+  out = nnx.jit(lambda m, x: m.forward(x, collect=Collect(attention_queries=(0, 32))))(model, ids)
   for layer, kind in enumerate(model.config.text.attention_types):
     if kind == "sparse":
       np.testing.assert_allclose(mass_outside_selection(out.intermediates, layer), 0.0, atol=1e-6)

@@ -37,7 +37,7 @@ def small_config():
 def _run_step(cfg, mesh_arg, rows):
   from m3jax import sharding  # pylint: disable=g-import-not-at-top
   from m3jax.logical_axes import ACT_BATCH, ACT_SEQ  # pylint: disable=g-import-not-at-top
-  from m3jax.training.optimizer import OptimizerConfig, make_optimizer, schedule  # pylint: disable=g-import-not-at-top
+  from m3jax.training.optimizer import OptimizerConfig, make_optimizer  # pylint: disable=g-import-not-at-top
   from m3jax.training.params import init_master, make_layout  # pylint: disable=g-import-not-at-top
   from m3jax.training.step import ObjectiveConfig, init_state, make_train_step  # pylint: disable=g-import-not-at-top
 
@@ -47,7 +47,7 @@ def _run_step(cfg, mesh_arg, rows):
   tx = make_optimizer(opt)
   master = init_master(layout, 0)
   state = init_state(layout, tx, master)
-  step = make_train_step(layout, tx, ObjectiveConfig(), schedule(opt), sparse=True,
+  step = make_train_step(layout, opt, ObjectiveConfig(), sparse=True,
                          state_shardings=jax.tree.map(lambda x: x.sharding, state))
   x = jnp.asarray(rows) if plan is None else jax.device_put(rows, plan.sharding((ACT_BATCH, ACT_SEQ), rows.shape))
   state, metrics = step(state, x)

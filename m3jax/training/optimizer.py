@@ -54,9 +54,15 @@ def _decayed(params: dict[str, jax.Array]) -> dict[str, bool]:
   return {k: getattr(v, "ndim", 0) >= 2 and not k.endswith(BIAS_SUFFIX) for k, v in params.items()}
 
 
-def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-  """clip -> AdamW (decay on matrices) for every parameter but the correction biases, which stay untouched."""
+def make_optimizer(cfg: OptimizerConfig, learning_rate: jax.Array | None = None) -> optax.GradientTransformation:
+  """clip -> AdamW (decay on matrices) for every parameter but the correction biases, which stay untouched.
+
+  ``learning_rate``: the rate of this update (an fp32 scalar, traced inside the train step, so that one compiled
+  step serves every schedule: a fine-tune reuses the pretraining's program); None: ``schedule(cfg)`` at the
+  optimizer's step count. Either way the optimizer state has the same structure (AdamW's moments and the
+  schedule's count), so states and checkpoints are interchangeable."""
+  rate = schedule(cfg) if learning_rate is None else (lambda count: learning_rate)
   adamw = optax.chain(
       optax.clip_by_global_norm(cfg.clip_norm),
-      optax.adamw(schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decayed))
+      optax.adamw(rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decayed))
   return optax.multi_transform({True: adamw, False: optax.set_to_zero()}, _trainable)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from m3jax.research import Collect
+from m3jax.training.optimizer import OptimizerConfig, make_optimizer, schedule
 from m3jax.training.indexer_loss import alignment_loss_of_records
 from m3jax.training.losses import lm_loss_from_logits, mtp_loss_from_trunk
 from m3jax.training.params import ParamLayout, Params, model_of
@@ -88,14 +89,19 @@ def init_state(layout: ParamLayout, tx: optax.GradientTransformation, master: Pa
   return jax.tree.map(place, state)
 
 
-def make_train_step(layout: ParamLayout, tx: optax.GradientTransformation, cfg: ObjectiveConfig,
-                    schedule: Callable[[Any], Any], *, sparse: bool, state_shardings: Any = None
+def make_train_step(layout: ParamLayout, optimizer: OptimizerConfig, cfg: ObjectiveConfig, *, sparse: bool,
+                    state_shardings: Any = None
                     ) -> Callable[[dict[str, Any], jax.Array], tuple[dict[str, Any], dict[str, Any]]]:
-  """A jit-compiled ``(state, rows) -> (state, metrics)`` for one phase; state = {"params", "opt_state", "step"}.
-  The state's buffers are donated; ``state_shardings`` keeps the state's layout from step to step."""
+  """A ``(state, rows) -> (state, metrics)`` for one phase; state = {"params", "opt_state", "step"}, its
+  optimizer state from ``make_optimizer(optimizer)``. The schedule's learning rate at ``state["step"]`` is
+  evaluated outside the compiled step and passed in as data, so the program does not depend on the schedule
+  (a fine-tune with other rates and step counts reuses the pretraining's program). The state's buffers are
+  donated; ``state_shardings`` keeps the state's layout from step to step."""
   bias_keys = _moe_bias_keys(layout)
+  rate_at = jax.jit(schedule(optimizer))  # compiled like the rate it replaces inside the step: the same bits
 
-  def step(state, rows):
+  def step(state, rows, learning_rate):
+    tx = make_optimizer(optimizer, learning_rate)
     grad_fn = jax.value_and_grad(lambda p: objective(layout, cfg, p, rows, sparse), has_aux=True)
     (_, metrics), grads = grad_fn(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -105,12 +111,16 @@ def make_train_step(layout: ParamLayout, tx: optax.GradientTransformation, cfg: 
       raise ValueError(f"internal: {len(bias_keys)} correction biases for {loads.shape[0]} recorded MoE layers")
     for i, key in enumerate(bias_keys):
       params[key] = balanced_bias(params[key], loads[i], cfg.router_bias_rate)
-    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state["step"]),
+    metrics = dict(metrics, grad_norm=optax.tree.norm(grads), learning_rate=learning_rate,
                    max_load_ratio=max_load_ratio(loads) if loads.shape[0] else jnp.zeros(()))
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
   shardings = None if state_shardings is None else (state_shardings, None)
-  return jax.jit(step, donate_argnums=(0,), out_shardings=shardings)
+  compiled = jax.jit(step, donate_argnums=(0,), out_shardings=shardings)
+
+  def train_step(state, rows):
+    return compiled(state, rows, rate_at(state["step"]).astype(jnp.float32))
+  return train_step
 
 
 def make_eval_step(layout: ParamLayout) -> Callable[[Params, jax.Array], dict[str, jax.Array]]:

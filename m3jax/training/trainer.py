@@ -34,7 +34,7 @@ from m3jax.logical_axes import ACT_BATCH, ACT_SEQ
 from m3jax.training import data, state_checkpoints
 from m3jax.training.export_model import export_trained, model_bytes
 from m3jax.training.metrics_log import MetricsLog
-from m3jax.training.optimizer import OptimizerConfig, make_optimizer, schedule
+from m3jax.training.optimizer import OptimizerConfig, make_optimizer
 from m3jax.training.params import count_params, init_master, key_of, make_layout
 from m3jax.training.settings import TrainConfig, TrainSetupError, check_setup
 from m3jax.training.step import ObjectiveConfig, init_state, make_eval_step, make_train_step
@@ -190,9 +190,14 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
   # Under a plan the step keeps the state's layout; without one, jit's default placement (an out_shardings of
   # the single device would commit the outputs and make the second step compile again).
   shardings = None if plan is None else jax.tree.map(lambda x: x.sharding, state)
+  if plan is None:
+    # Every array of the state committed to the one device, whichever way it was made (initialised, read from a
+    # base checkpoint, restored): each step then compiles to the same program, for a fresh run, a fine-tune and
+    # a resumed one alike, where a mix of committed and uncommitted inputs compiled the step again.
+    state = jax.device_put(state, jax.devices()[0])
   objective = ObjectiveConfig(mtp_weight=tc.mtp_weight, indexer_weight=tc.indexer_weight,
                               router_bias_rate=tc.router_bias_rate)
-  steps = {sparse: make_train_step(layout, tx, objective, schedule(opt_cfg), sparse=sparse,
+  steps = {sparse: make_train_step(layout, opt_cfg, objective, sparse=sparse,
                                    state_shardings=shardings) for sparse in (False, True)}
   evaluate = make_eval_step(layout)
 
