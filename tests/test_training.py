@@ -74,6 +74,7 @@ def test_bad_corpus_fails_before_any_step(tmp_path, content, match):
     (dict(mesh="data=4"), "not divisible by the mesh's data x expert = 4"),
     (dict(mtp_weight=0.0), "exported untrained"),
     (dict(warmup_steps=30), "warm-up steps 30"),
+    (dict(time_limit_s=0.0), "time limit must be a positive number of seconds, got 0.0"),
 ])
 def test_settings_that_cannot_train_fail_before_any_step(tmp_path, corpus, changes, match):
   with pytest.raises(TrainSetupError, match=match):
@@ -173,6 +174,15 @@ def test_kill_9_and_resume_reproduce_the_uninterrupted_run(tmp_path, corpus, mon
   # A finished run: nothing is redone; its final evaluation is read back from the log (6 significant digits).
   assert train(cfg, corpus, tmp_path / "cut", tc).val_loss == pytest.approx(resumed.val_loss, rel=1e-5)
   assert (tmp_path / "cut" / "metrics.jsonl").read_text() == lines
+
+  # A time limit stops the run at a step boundary (here after its first step) and still checkpoints, evaluates
+  # and exports the step reached; the same settings without the limit resume from it (the limit is not a
+  # setting that changes the loss curve).
+  timed = train(cfg, corpus, tmp_path / "timed", dataclasses.replace(tc, time_limit_s=1e-9))
+  assert timed.steps == 1 and os.path.isdir(timed.model_dir)
+  assert _losses(tmp_path / "timed") == {1: pytest.approx(reference[1], rel=1e-5)}
+  assert json.loads((pathlib.Path(timed.model_dir) / "m3jax_checkpoint.json").read_text())["source"]["steps"] == 1
+  assert sorted(os.listdir(tmp_path / "timed" / "checkpoints")) == ["1"]
 
   # The output is a normal m3jax checkpoint: load (with the MTP module), its tokenizer, generation; `m3jax demo`
   # runs it when the package carries it (here: pointed at this one).

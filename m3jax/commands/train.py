@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                  help="activation / matmul dtype (master weights are always fp32)")
   p.add_argument("--save-dtype", default=d.save_dtype, choices=("bfloat16", "float32"),
                  help="dtype of the exported checkpoint")
+  p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                 help="stop after this many seconds of training (at a step boundary), then checkpoint, evaluate and "
+                      "export the step reached; rerun the same command to go on")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
   p.set_defaults(func=run)
 
@@ -61,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
                    indexer_warmup_steps=args.indexer_warmup_steps, router_bias_rate=args.router_bias_rate,
                    eval_every=args.eval_every, eval_batches=args.eval_batches,
                    checkpoint_every=args.checkpoint_every, holdout_fraction=args.holdout, seed=args.seed,
-                   compute_dtype=args.compute_dtype, save_dtype=args.save_dtype, progress=not args.no_progress)
+                   compute_dtype=args.compute_dtype, save_dtype=args.save_dtype, progress=not args.no_progress,
+                   time_limit_s=args.time_limit)
   result = train(args.config, args.data, args.out, tc)
   print(f"[m3jax] trained {result.params:,} parameters for {result.steps} steps: validation loss "
         f"{result.val_loss:.4f}, perplexity {result.val_ppl:.2f}")

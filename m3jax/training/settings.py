@@ -11,7 +11,7 @@ from m3jax.config import M3Config
 from m3jax.model import model_dtype
 
 # Settings a resumed run may change without changing the loss curve.
-RESUME_FREE = ("progress", "mesh", "checkpoint_every", "eval_every", "eval_batches")
+RESUME_FREE = ("progress", "mesh", "checkpoint_every", "eval_every", "eval_batches", "time_limit_s")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +40,9 @@ class TrainConfig:
   init_from: str | None = None  # fine-tune: start from this m3jax checkpoint (its config and tokenizer)
   mesh: str | None = None
   progress: bool = True
+  # Stop at the first step boundary after this many seconds of the step loop, then checkpoint, evaluate and
+  # export the model of the step reached (a rerun of the same settings resumes from it toward ``steps``).
+  time_limit_s: float | None = None
 
   @property
   def warmup(self) -> int:
@@ -61,6 +64,8 @@ class TrainSetupError(ValueError):
 def check_setup(cfg: M3Config, tc: TrainConfig) -> None:
   """Raises TrainSetupError naming the first setting that cannot train this config."""
   t = cfg.text
+  if tc.time_limit_s is not None and not tc.time_limit_s > 0:
+    raise TrainSetupError(f"time limit must be a positive number of seconds, got {tc.time_limit_s}")
   for name in ("steps", "batch", "eval_every", "eval_batches", "checkpoint_every"):
     if getattr(tc, name) < 1:
       raise TrainSetupError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(tc, name)}")

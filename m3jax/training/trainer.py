@@ -230,15 +230,19 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
           f"{tc.steps * tokens_per_step / train_rows.tokens:.1f} epochs" + (f"; resuming at step {start}" if start else ""))
   bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", disable=not tc.progress, dynamic_ncols=True)
   last_val: dict[str, float] | None = None
+  reached = start
+  loop_start = time.perf_counter()
   try:
     for step in range(start, tc.steps):
+      if tc.time_limit_s is not None and step > start and time.perf_counter() - loop_start >= tc.time_limit_s:
+        break
       sparse = step >= tc.indexer_warmup
       rows = put(train_rows.rows[data.batch_indices(len(train_rows.rows), tc.batch, step, tc.seed)])
       t0 = time.perf_counter()
       state, metrics = steps[sparse](state, rows)
       metrics = jax.device_get(metrics)
       seconds = time.perf_counter() - t0
-      done = step + 1
+      done = reached = step + 1
       log.write({"step": done, "phase": "sparse" if sparse else "dense", **metrics,
                  "tokens_per_s": tokens_per_step / seconds, "step_seconds": seconds})
       bar.update(1)
@@ -249,6 +253,11 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
         bar.write(f"step {done}: val_loss {last_val['val_loss']:.4f}  val_ppl {last_val['val_ppl']:.2f}")
       if done % tc.checkpoint_every == 0 or done == tc.steps:
         state_checkpoints.save(mngr, done, state)
+    if reached < tc.steps:  # stopped by the time limit: keep the state of the step reached
+      bar.write(f"time limit of {tc.time_limit_s:g} s reached after step {reached} of {tc.steps}")
+      if reached % tc.checkpoint_every:
+        state_checkpoints.save(mngr, reached, state)
+      last_val = validation(reached)
   finally:
     bar.close()
     mngr.close()
@@ -257,7 +266,7 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
     last_val = logged[-1] if logged else validation(tc.steps)
   model_dir = os.path.join(out, "model")
   export_trained(state["params"], cfg, model_dir, dtype=tc.save_dtype, tokenizer_dir=tok_dir,
-                 provenance={"corpus": os.path.abspath(os.fspath(corpus)), "steps": tc.steps}, force=True)
-  return TrainResult(model_dir=model_dir, steps=tc.steps, val_loss=last_val["val_loss"], val_ppl=last_val["val_ppl"],
+                 provenance={"corpus": os.path.abspath(os.fspath(corpus)), "steps": reached}, force=True)
+  return TrainResult(model_dir=model_dir, steps=reached, val_loss=last_val["val_loss"], val_ppl=last_val["val_ppl"],
                      params=count_params(state["params"]), model_bytes=model_bytes(state["params"], tc.save_dtype),
                      train_tokens=train_rows.tokens, metrics_path=log.path)
