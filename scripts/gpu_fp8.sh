@@ -34,20 +34,8 @@ export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 
 STEPS="${STEPS:-tests fp8_bench fp8_experts bf16_30}"
-for name in $STEPS; do  # a misspelt name would otherwise run nothing and say nothing
-  case " tests fp8_bench fp8_experts bf16_30 fp8_slices " in *" $name "*) ;;
-    *) echo "gpu_fp8.sh: unknown step '$name' in STEPS" >&2; exit 2 ;; esac
-done
-
-step() {  # step NAME SECONDS COMMAND...  (skipped unless NAME is in $STEPS)
-  local name=$1 limit=$2
-  shift 2
-  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt"
-}
+source "$(dirname "$0")/gpu_steps.sh"
+check_steps gpu_fp8.sh "tests fp8_bench fp8_experts bf16_30 fp8_slices"
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 

@@ -17,20 +17,8 @@ export PYTHONPATH="$PWD" JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1
 : > "$OUT/summary.txt"
 
 STEPS="${STEPS:-engine full_chunked tests}"
-for name in $STEPS; do  # a misspelt name would otherwise run nothing and say nothing
-  case " engine full_chunked tests spec_stream prefill_memory " in *" $name "*) ;;
-    *) echo "gpu_pending.sh: unknown step '$name' in STEPS" >&2; exit 2 ;; esac
-done
-
-step() {  # step NAME SECONDS COMMAND...  (skipped unless NAME is in $STEPS)
-  local name=$1 limit=$2
-  shift 2
-  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt"
-}
+source "$(dirname "$0")/gpu_steps.sh"
+check_steps gpu_pending.sh "engine full_chunked tests spec_stream prefill_memory"
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 

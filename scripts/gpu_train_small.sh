@@ -40,20 +40,8 @@ export PYTHONPATH="$PWD" JAX_PLATFORMS="${JAX_PLATFORMS:-cuda}" PYTHONUNBUFFERED
 : > "$OUT/summary.txt"
 
 STEPS="${STEPS:-train fixtures eval attention bench_100m}"
-for name in $STEPS; do  # a misspelt name would otherwise run nothing and say nothing
-  case " train fixtures eval attention bench_100m " in *" $name "*) ;;
-    *) echo "gpu_train_small.sh: unknown step '$name' in STEPS" >&2; exit 2 ;; esac
-done
-
-step() {  # step NAME SECONDS COMMAND...  (skipped unless NAME is in $STEPS)
-  local name=$1 limit=$2
-  shift 2
-  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt"
-}
+source "$(dirname "$0")/gpu_steps.sh"
+check_steps gpu_train_small.sh "train fixtures eval attention bench_100m"
 
 train() {  # the run, stopped by `m3jax train --time-limit` if slower than planned (it then checkpoints,
   # evaluates and exports the step reached, ~30 s); timeout(1) is only the safety net
@@ -70,11 +58,7 @@ CORPUS=data/kjv/kjv.txt
 SMALL=()
 [ -n "${SMALL_EVAL:-${SMOKE:-}}" ] && SMALL=(--rows 2 --prompts 2 --new-tokens 8 --queries 32)
 
-case " $STEPS " in *" train "*)  # a shell function: `step` would run it under timeout(1), which runs programs only
-  start=$SECONDS
-  train "${TRAIN_LIMIT:-290}" > "$OUT/train.log" 2>&1
-  echo "train rc=$? seconds=$((SECONDS - start))" | tee -a "$OUT/summary.txt" ;;
-esac
+step train "${TRAIN_LIMIT:-290}" train "${TRAIN_LIMIT:-290}"
 step fixtures 40 "$PY" scripts/make_trained_demo_fixtures.py --corpus "$CORPUS" --model "$MODEL" --out "$OUT/fixtures"
 step eval 90 "$PY" scripts/eval_trained.py "$MODEL" --corpus "$CORPUS" --time "${SMALL[@]}" \
   --save-selections "$OUT/selections.npz" --out "$OUT/eval.json"
