@@ -255,9 +255,10 @@ def train(config: M3Config | str | os.PathLike | None, corpus: str | os.PathLike
         state_checkpoints.save(mngr, done, state)
     if reached < tc.steps:  # stopped by the time limit: keep the state of the step reached
       bar.write(f"time limit of {tc.time_limit_s:g} s reached after step {reached} of {tc.steps}")
-      if reached % tc.checkpoint_every:
+      if reached % tc.checkpoint_every:  # else the loop saved it
         state_checkpoints.save(mngr, reached, state)
-      last_val = validation(reached)
+      if reached % tc.eval_every:  # else the loop evaluated it (last_val)
+        last_val = validation(reached)
   finally:
     bar.close()
     mngr.close()
